@@ -1,0 +1,225 @@
+"""BFCL v4 multi-turn as an environment an agent loop drives step by step.
+
+The turn/step logic follows bfcl_eval's `inference_multi_turn_prompting`:
+a turn opens with its user message(s) (a miss_func reveal turn with a message
+carrying the newly available function docs); the model is queried; a reply
+that decodes to no call, or fails to decode, ends the turn; otherwise the
+calls run and their results go back to the model; a turn that reaches more
+than 20 executed steps force-terminates the whole entry.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from rcgrpo.envs import _bfcl  # noqa: F401
+from rcgrpo.envs.calls import Call, DecodeError, Positional, decode_calls
+from rcgrpo.envs.data import CATEGORIES, BFCLEntry, DataError, load_entries
+from rcgrpo.envs.executor import DEFAULT_CALL_TIMEOUT_S, Executor, build_instances
+from rcgrpo.envs.reward import (
+    NOT_EXECUTED_PLACEHOLDER,
+    action_reward,
+    ground_truth,
+    official_verdict,
+    state_reward,
+)
+from rcgrpo.envs.split import split_train_test
+
+from bfcl_eval.constants.default_prompts import (  # noqa: E402
+    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
+    MAXIMUM_STEP_LIMIT,
+)
+
+__all__ = [
+    "CATEGORIES", "BFCLEntry", "DataError", "Episode", "EpisodeResult", "StepResult",
+    "load_entries", "split_train_test", "ground_truth",
+]
+
+
+@dataclass
+class StepResult:
+    calls: list[Call]
+    # One {"role": "tool", "name": call, "content": result} per call, in order.
+    tool_messages: list[dict[str, str]]
+    turn_ended: bool
+    done: bool
+    # Why the reply (or some of its calls) could not be decoded safely; the
+    # rejected calls' tool messages carry the same reason to the model.
+    decode_error: str | None = None
+
+
+@dataclass
+class EpisodeResult:
+    entry_id: str
+    reward: float
+    r_state: float
+    r_action: float
+    valid: bool  # the official checker's verdict
+    verdict_error: str | None
+    turns: int  # turns completed
+    steps: int  # model replies consumed
+    end_reason: str
+    executed_calls: list[str] = field(default_factory=list)
+
+
+class Episode:
+    """One play-through of one entry, on API instances nobody else sees.
+
+    `positional="drop"` decodes model text as the official decoder does
+    (positional arguments silently dropped); `"bind"` binds them to parameter
+    names (tolerant; what ground-truth replay uses).
+    """
+
+    def __init__(
+        self,
+        entry: BFCLEntry,
+        positional: Positional = "drop",
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        max_steps_per_turn: int = MAXIMUM_STEP_LIMIT,
+    ):
+        self.entry = entry
+        self.positional = positional
+        self.max_steps_per_turn = max_steps_per_turn
+        self._executor = Executor(build_instances(entry), timeout_s=call_timeout_s)
+        self._methods = self._executor.bound_methods()
+        self.turn_index = 0
+        self.steps = 0
+        self._steps_in_turn = 0
+        self.done = False
+        self.end_reason: str | None = None
+        # What the official checker reads: per turn, the non-empty steps,
+        # each a list of canonical call strings.
+        self._decoded_turns: list[list[list[str]]] = [[]]
+        self._executed: list[Call] = []
+        self._result: EpisodeResult | None = None
+
+    # -- what the model sees -------------------------------------------------
+    @property
+    def num_turns(self) -> int:
+        return len(self.entry.turns)
+
+    def visible_function_docs(self) -> list[dict[str, Any]]:
+        """Docs the model has been shown by the current turn: all docs of the
+        involved classes except those held out for a later turn."""
+        hidden = {
+            name
+            for turn, names in self.entry.missed_function.items()
+            if turn > self.turn_index
+            for name in names
+        }
+        return [copy.deepcopy(d) for d in self.entry.function_docs if d["name"] not in hidden]
+
+    def initial_function_docs(self) -> list[dict[str, Any]]:
+        """Docs for the system prompt: everything not held out at all."""
+        held = {n for names in self.entry.missed_function.values() for n in names}
+        return [copy.deepcopy(d) for d in self.entry.function_docs if d["name"] not in held]
+
+    def revealed_function_docs(self) -> list[dict[str, Any]]:
+        """Docs that become available at the current turn (miss_func)."""
+        names = self.entry.missed_function.get(self.turn_index, [])
+        by_name = {d["name"]: d for d in self.entry.function_docs}
+        return [copy.deepcopy(by_name[n]) for n in names if n in by_name]
+
+    def turn_messages(self) -> list[dict[str, str]]:
+        """The user message(s) that open the current turn."""
+        self._require_active()
+        if self.turn_index in self.entry.missed_function:
+            # BFCL's prompting mode reveals held-out functions in a user message.
+            content = DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(
+                functions=self.revealed_function_docs()
+            )
+            return [{"role": "user", "content": content}]
+        return copy.deepcopy(self.entry.turns[self.turn_index])
+
+    # -- driving -------------------------------------------------------------
+    def step(self, assistant_text: str) -> StepResult:
+        """Consume one model reply: decode, execute, advance."""
+        self._require_active()
+        try:
+            calls = decode_calls(assistant_text, self._methods, self.positional)
+        except DecodeError as exc:
+            self.steps += 1
+            self._end_turn()
+            return StepResult([], [], turn_ended=True, done=self.done, decode_error=str(exc))
+        return self.step_calls(calls)
+
+    def step_calls(self, calls: list[Call]) -> StepResult:
+        """Execute already-decoded calls as one step (replay uses this)."""
+        self._require_active()
+        self.steps += 1
+        if not calls:
+            self._end_turn()
+            return StepResult([], [], turn_ended=True, done=self.done)
+        messages, record = [], []
+        for call in calls:
+            text, ran = self._executor.run(call)
+            if ran:
+                self._executed.append(call)
+                record.append(call.canonical())
+            else:
+                record.append(NOT_EXECUTED_PLACEHOLDER)
+            name = call.canonical() if call.rejected is None else call.name
+            messages.append({"role": "tool", "name": name, "content": text})
+        self._decoded_turns[-1].append(record)
+        self._steps_in_turn += 1
+        rejected = [f"{c.name}: {c.rejected}" for c in calls if c.rejected is not None]
+        decode_error = "; ".join(rejected) or None
+        if self._steps_in_turn > self.max_steps_per_turn:
+            # Official: the turn's record is kept, the entry stops here.
+            self._finish("step_limit")
+            return StepResult(calls, messages, turn_ended=True, done=True, decode_error=decode_error)
+        return StepResult(calls, messages, turn_ended=False, done=False, decode_error=decode_error)
+
+    def end_turn(self) -> None:
+        """End the current turn as a reply with no call would."""
+        self._require_active()
+        self._end_turn()
+
+    def finish(self, reason: str) -> None:
+        """Stop early (e.g. the token budget ran out). Idempotent."""
+        if not self.done:
+            self._finish(reason)
+
+    # -- scoring ---------------------------------------------------------------
+    def result(self) -> EpisodeResult:
+        """Reward and official verdict of what happened (ends the episode)."""
+        if self._result is None:
+            self.finish("unfinished")
+            valid, error = official_verdict(self.entry, self._decoded_turns)
+            r_state = state_reward(self.entry, self._executor.instances)
+            r_action = action_reward(self.entry, self._executed)
+            self._result = EpisodeResult(
+                entry_id=self.entry.id,
+                reward=r_state * r_action,
+                r_state=r_state,
+                r_action=r_action,
+                valid=valid,
+                verdict_error=error,
+                turns=min(self.turn_index, self.num_turns),
+                steps=self.steps,
+                end_reason=self.end_reason or "unfinished",
+                executed_calls=[c.canonical() for c in self._executed],
+            )
+        return self._result
+
+    # -- internals -----------------------------------------------------------
+    def _require_active(self) -> None:
+        if self.done:
+            raise RuntimeError(f"episode {self.entry.id} is over ({self.end_reason})")
+
+    def _end_turn(self) -> None:
+        self.turn_index += 1
+        self._steps_in_turn = 0
+        if self.turn_index >= self.num_turns:
+            self._finish("completed")
+        else:
+            self._decoded_turns.append([])
+
+    def _finish(self, reason: str) -> None:
+        self.done = True
+        self.end_reason = reason
+        # An unfinished turn that recorded nothing is not a turn the model
+        # answered; the official runner would not have it either.
+        if self.turn_index < self.num_turns and reason != "step_limit" and not self._decoded_turns[-1]:
+            self._decoded_turns.pop()

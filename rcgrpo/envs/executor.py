@@ -1,0 +1,147 @@
+"""Fresh BFCL API instances per episode, and bounded execution of decoded calls.
+
+Mirrors `bfcl_eval...multi_turn_utils.execute_multi_turn_func_call` in what a
+call returns (strings as they are, dicts as JSON, anything else `str()`,
+exceptions as "Error during execution: ..."), but dispatches by attribute
+lookup on the entry's own methods instead of `eval`, never shares instances
+between episodes, and bounds the time a call may take.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import json
+import signal
+import threading
+from typing import Any, Callable
+
+from rcgrpo.envs import _bfcl  # noqa: F401  (sets BFCL_PROJECT_ROOT before bfcl imports)
+from rcgrpo.envs.calls import Call
+from rcgrpo.envs.data import BFCLEntry
+from rcgrpo.envs.math_worker import StatelessCallRunner
+
+from bfcl_eval.constants.executable_backend_config import (  # noqa: E402
+    CLASS_FILE_PATH_MAPPING,
+    STATELESS_CLASSES,
+)
+
+# The official executor refuses these names before `eval` (multi_turn_utils).
+REFUSED_NAMES = frozenset({"kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"})
+DEFAULT_CALL_TIMEOUT_S = 5.0
+
+
+class CallTimeout(Exception):
+    pass
+
+
+def build_instances(entry: BFCLEntry) -> dict[str, Any]:
+    """New API instances for one episode, loaded from `initial_config`.
+
+    The deep copy at the end detaches the instance from module-level data
+    that `_load_scenario(long_context=True)` links in (e.g. TravelAPI's
+    credit-card and booking extensions): without it one episode's booking
+    would change every later episode's starting state.
+    """
+    instances = {}
+    for class_name in entry.involved_classes:
+        module = importlib.import_module(CLASS_FILE_PATH_MAPPING[class_name])
+        instance = getattr(module, class_name)()
+        if class_name not in STATELESS_CLASSES:
+            config = copy.deepcopy(entry.initial_config.get(class_name, {}))
+            instance._load_scenario(config, long_context=entry.long_context)
+        instances[class_name] = copy.deepcopy(instance)
+    return instances
+
+
+def method_table(instances: dict[str, Any]) -> dict[str, tuple[str, Callable[..., Any]]]:
+    """Public method name -> (class name, bound method); later classes win,
+    as in the official name mapping."""
+    table = {}
+    for class_name, instance in instances.items():
+        for name, method in inspect.getmembers(instance, predicate=inspect.ismethod):
+            if not name.startswith("_"):
+                table[name] = (class_name, method)
+    return table
+
+
+def format_result(value: Any) -> str:
+    """The official conversion of a method's return value to tool text."""
+    if type(value) is str:
+        return value
+    if type(value) is dict:
+        try:
+            return json.dumps(value)
+        except Exception:
+            return str(value)
+    return str(value)
+
+
+class Executor:
+    """Runs decoded calls against one episode's instances.
+
+    Stateful classes run in-process under a SIGALRM timer (Python-level loops
+    are interrupted; only available on the main thread). Stateless classes
+    (MathAPI) run in a separate worker process with a hard timeout, because
+    their slow paths are single native operations (big-int powers, mpmath at
+    huge precision) that no signal can interrupt; being stateless, nothing is
+    lost when the worker is killed.
+    """
+
+    def __init__(self, instances: dict[str, Any], timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
+        self.instances = instances
+        self.methods = method_table(instances)
+        self.timeout_s = timeout_s
+
+    def bound_methods(self) -> dict[str, Callable[..., Any]]:
+        return {name: method for name, (_, method) in self.methods.items()}
+
+    def run(self, call: Call) -> tuple[str, bool]:
+        """(tool text, ran): `ran` is False when the call was not executed
+        (rejected at decode time, refused by name, or stopped by the timeout)."""
+        if call.rejected is not None:
+            return f"Error during execution: {call.rejected}", False
+        if call.name in REFUSED_NAMES:
+            return f"Error during execution: Function call {call.name} is not allowed.", False
+        if call.name not in self.methods:
+            return f"Error during execution: name '{call.name}' is not defined", False
+        class_name, method = self.methods[call.name]
+        if class_name in STATELESS_CLASSES:
+            return StatelessCallRunner.shared().run(
+                CLASS_FILE_PATH_MAPPING[class_name], class_name, call.name, call.kwargs, self.timeout_s
+            )
+        try:
+            # Fresh argument objects, as the official eval of a string gives:
+            # APIs store (and later mutate) the lists they are passed.
+            kwargs = copy.deepcopy(call.kwargs)
+            with _alarm(self.timeout_s):
+                value = method(**kwargs)
+        except CallTimeout:
+            return f"Error during execution: call exceeded the {self.timeout_s:g} s limit", False
+        except Exception as exc:
+            return f"Error during execution: {exc}", True
+        return format_result(value), True
+
+
+class _alarm:
+    """Raise CallTimeout in the main thread after `seconds` (no-op elsewhere)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.active = threading.current_thread() is threading.main_thread() and seconds > 0
+
+    def __enter__(self):
+        if self.active:
+            self.previous = signal.signal(signal.SIGALRM, self._fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+        return False
+
+    @staticmethod
+    def _fire(signum, frame):
+        raise CallTimeout()

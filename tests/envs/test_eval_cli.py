@@ -1,0 +1,39 @@
+import json
+import subprocess
+import sys
+
+from rcgrpo.envs.reward import ground_truth
+
+
+def test_replay_cli_scores_lines_and_reports_bad_ones(tmp_path, by_id):
+    entry = by_id["multi_turn_base_1"]
+    gt_turns = [[list(t)] if t else [] for t in ground_truth(entry).canonical_turns()]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([
+        json.dumps({"id": entry.id, "turns": gt_turns}),
+        "{not json",
+        json.dumps({"id": "multi_turn_base_9999", "turns": []}),
+        json.dumps({"id": entry.id, "turns": gt_turns[:1]}),
+        json.dumps({"id": entry.id, "turns": "oops"}),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--replay", str(src), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(rows) == 5
+    assert rows[0] == {"id": entry.id, "valid": True, "r_state": 1.0, "r_action": 1.0, "reward": 1.0}
+    assert "malformed JSON" in rows[1]["error"] and rows[1]["line"] == 2
+    assert "unknown id" in rows[2]["error"]
+    assert rows[3]["id"] == entry.id and rows[3]["valid"] is False and rows[3]["reward"] == 0.0
+    assert "malformed turns" in rows[4]["error"]
+
+
+def test_ground_truth_cli_prints_full_accuracy():
+    proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--ground-truth"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = {l.split()[0]: l.split() for l in proc.stdout.splitlines() if l.strip()}
+    for name in ("base", "miss_func", "miss_param", "long_context", "overall"):
+        assert lines[name][-1] == "100.00%", proc.stdout
+    assert lines["base"][1] == "200"
