@@ -39,5 +39,10 @@ test: install
 bench: install
 	$(BIN)/python -m pytest benchmarks/ --benchmark-only
 
+# On a CUDA machine: install what the kernels need, run tests/kernels on CUDA and
+# the CUDA benchmarks, print one summary table (scripts/gpu_check.sh; < 8 min on an H200).
+gpu-check:
+	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .benchmarks

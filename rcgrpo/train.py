@@ -1,22 +1,167 @@
-"""`python -m rcgrpo.train`: the RCTP -> RC-GRPO pipeline.
+"""`python -m rcgrpo.train`: the paper's pipeline, stage by stage.
 
-Not built yet: the trainer lands with its own issue (RCTP data, RCTP/SFT
-fine-tuning, GRPO/RC-GRPO, checkpoints, report). Until then this entry point
-says so and exits non-zero instead of pretending to train.
+    rctp+rc-grpo (default):  rctp-data -> rctp -> rc-grpo -> eval
+    rctp+grpo / sft+grpo / sft+rc-grpo: the baselines of the paper's Table 1/3
+
+Each stage reads the previous stage's exported model (runs/<name>/models/<stage>)
+and leaves its own; a finished stage is skipped on `--resume`, an unfinished
+one continues from its latest good checkpoint. The run ends with the BFCL
+table (eval.md / eval.json) and plots (report.md, *.png) in the run folder.
+This file only orchestrates: every stage lives in its own module.
 """
+from __future__ import annotations
+
+import json
+import os
+import random
 import sys
 
-MISSING = """rcgrpo.train: the trainer is not implemented yet.
-What exists today:
-  - the BFCL v4 multi-turn environment and official scoring: python -m rcgrpo.eval --ground-truth
-What is missing before `--fused` training can run:
-  - the trainer (RCTP data + fine-tuning, GRPO / RC-GRPO, checkpoints, report)
-See README.md ("What works today")."""
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+
+import numpy as np
+import torch
+
+from rcgrpo.config import Config, ConfigError, parse_args
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def training_entries(cfg: Config, tokenizer) -> list:
+    """Training split of the configured categories whose opening prompt fits
+    `data.max_prompt_tokens`, optionally a seeded subset."""
+    from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
+    from rcgrpo.prompts import ChatTokens, initial_messages
+
+    train, _ = split_train_test(load_entries(cfg.data.categories))
+    chat = ChatTokens(tokenizer)
+    fitting = [
+        e for e in train
+        if len(chat.prompt_ids(initial_messages(Episode(e), None, cfg.data.doc_style))) <= cfg.data.max_prompt_tokens
+    ]
+    if not fitting:
+        raise SystemExit(f"no training entry has a prompt under data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    if cfg.data.train_subset is not None and cfg.data.train_subset < len(fitting):
+        fitting = sorted(random.Random(cfg.data.seed).sample(fitting, cfg.data.train_subset), key=lambda e: e.id)
+    return fitting
+
+
+def run(cfg: Config) -> int:
+    from rcgrpo.data.rctp import build_rctp, load_records, save_records, summary
+    from rcgrpo.data.expert import expert_turns  # noqa: F401  (fails early if bfcl is missing)
+    from rcgrpo.evaluate import evaluate, select_entries, write_eval
+    from rcgrpo.metrics import log_line
+    from rcgrpo.models import load_policy, load_tokenizer, resolve_model_folder
+    from rcgrpo.report import write_report
+    from rcgrpo.rollout import make_engine
+    from rcgrpo.rollout.agent_loop import RolloutConfig
+    from rcgrpo.training.context import RunContext
+    from rcgrpo.training.finetune import finetune
+    from rcgrpo.training.grpo import train_rl
+
+    seed_everything(cfg.data.seed)
+    device = pick_device(cfg.run.device)
+    dtype = getattr(torch, cfg.model.dtype)
+    base = resolve_model_folder(cfg.model.name_or_path)
+    tokenizer = load_tokenizer(base)
+    ctx = RunContext(cfg, device, tokenizer, base)
+    cfg.save(ctx.run_dir)
+    entries = training_entries(cfg, tokenizer)
+    log_line(f"run folder {ctx.run_dir}; {len(entries)} training entries; stages {cfg.stages}; fused={cfg.run.fused}")
+
+    engines = []
+
+    def engine_with(model_dir, weights=None):
+        """The one rollout engine of the run, started on first use (vLLM
+        takes ~20 s to start on CPU) and holding `weights` afterwards."""
+        if not engines:
+            engines.append(make_engine(cfg.run.engine, model_dir, **engine_kwargs(cfg, device)))
+        elif weights is not None:
+            engines[0].load_weights(weights)
+        return engines[0]
+
+    current = base  # the policy the next stage starts from
+    data_path = ctx.run_dir / "rctp_data.jsonl"
+    rollout_cfg = RolloutConfig(max_new_tokens=cfg.grpo.max_new_tokens, max_total_tokens=cfg.grpo.max_total_tokens,
+                                temperature=cfg.rctp.failure_temperature, seed=cfg.data.seed,
+                                doc_style=cfg.data.doc_style, progress=True)
+
+    for stage in cfg.stages:
+        if stage != "eval" and ctx.stage_done(stage):
+            log_line(f"[{stage}] already done, skipped")
+            if stage != "rctp-data":
+                current = ctx.stage_model_dir(stage)
+            continue
+        if stage == "rctp-data":
+            if cfg.rctp.data_file:
+                records = load_records(cfg.rctp.data_file)
+            else:
+                records = build_rctp(engine_with(current), entries, tokenizer, rollout_cfg, cfg.rctp.failure_ratio,
+                                     cfg.rctp.failure_attempts, cfg.rctp.fill_with_perturbed, cfg.data.seed)
+            save_records(records, data_path)
+            ctx.mark_done(stage, summary(records))
+            log_line(f"[rctp-data] {summary(records)} -> {data_path}")
+        elif stage in ("rctp", "sft"):
+            policy = load_policy(current, dtype=dtype, device=device)
+            if stage == "rctp":
+                trajectories = [r.trajectory() for r in load_records(data_path)]
+            else:
+                from rcgrpo.data.rctp import expert_records
+
+                trajectories = [r.trajectory() for r in expert_records(entries, tokenizer, rollout_cfg, tagged=False)]
+            section = cfg.rctp if stage == "rctp" else cfg.sft
+            finetune(ctx, stage, policy.model, trajectories, section)
+            current = ctx.export_model(stage, policy.model)
+            ctx.mark_done(stage, {"trajectories": len(trajectories)})
+            del policy
+        elif stage in ("grpo", "rc-grpo"):
+            policy = load_policy(current, dtype=dtype, device=device)
+            ref = load_policy(current, dtype=dtype, device=device).model.eval().requires_grad_(False)
+            engine = engine_with(current, policy.model.named_parameters())
+            train_rl(ctx, stage, policy.model, ref, engine, entries,
+                     reward_conditioned=cfg.finetune_stage == "rctp")
+            current = ctx.export_model(stage, policy.model)
+            ctx.mark_done(stage, {"steps": cfg.grpo.steps})
+            del policy, ref
+        elif stage == "eval":
+            policy = load_policy(current, dtype=dtype, device="cpu")
+            engine = engine_with(current, policy.model.named_parameters())
+            del policy
+            test = select_entries(cfg.eval.split, cfg.eval.categories, cfg.eval.subset)
+            result = evaluate(engine, tokenizer, test, cfg.eval.conditioning, cfg.eval.greedy,
+                              cfg.eval.max_new_tokens, cfg.grpo.max_total_tokens, cfg.grpo.temperature,
+                              cfg.data.seed, cfg.data.doc_style)
+            json_path, md_path = write_eval(result, ctx.run_dir, cfg.run.pipeline)
+            print(md_path.read_text())
+    report = write_report(ctx.run_dir)
+    print(f"report: {report}\nplots: {', '.join(str(p) for p in sorted(ctx.run_dir.glob('*.png')))}")
+    return 0
+
+
+def engine_kwargs(cfg: Config, device: torch.device) -> dict:
+    if cfg.run.engine == "hf":
+        return {}
+    kwargs = {"dtype": "float32" if device.type == "cpu" else cfg.model.dtype,
+              "max_model_len": cfg.grpo.max_total_tokens, "seed": cfg.data.seed, "kv_cache_gib": 2}
+    return kwargs
 
 
 def main(argv=None) -> int:
-    print(MISSING, file=sys.stderr)
-    return 2
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    return run(cfg)
 
 
 if __name__ == "__main__":

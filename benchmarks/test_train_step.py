@@ -1,0 +1,89 @@
+"""One RC-GRPO update (forward + backward + optimizer step) on a fixed packed
+batch of the small model: `--fused` (chunked fused-linear loss on CPU) vs the
+reference path (full logits), time and peak memory, as ratios in one run.
+
+The batch is real BFCL data: one group of expert and perturbed-expert
+trajectories of two training entries, played through the agent loop and
+labelled by the environment (rewards differ, so advantages are non-zero).
+Peak memory is the max RSS of a fresh process that runs one update on one
+path (ru_maxrss), so the paths cannot share allocator caches.
+
+Run: pytest benchmarks/test_train_step.py --benchmark-only -s
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+STEP_SCRIPT = r"""
+import dataclasses, json, resource, sys, time, torch
+import kernels
+from rcgrpo.batch import pack
+from rcgrpo.models import load_policy
+from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss
+from benchmarks.test_train_step import fixed_batch
+fused = sys.argv[1] == "fused"
+policy = load_policy()
+batch = fixed_batch(policy.tokenizer)
+batch = dataclasses.replace(batch, advantages=kernels.group_advantages(batch.rewards, batch.seq_group))
+batch = dataclasses.replace(batch, ref_logp=reference_logprobs(policy.model, batch, True, 1.0))
+opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+loss, _ = rl_loss(policy.model, batch, RLLossSettings(beta=0.1), fused=fused)
+loss.backward(); opt.step()
+print(json.dumps({"seconds": time.perf_counter() - t0, "loss": float(loss),
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "before_mb": base / 1024, "tokens": batch.num_tokens}))
+"""
+
+
+def fixed_batch(tokenizer):
+    """Expert + perturbed trajectories of two short base entries (one group each)."""
+    from rcgrpo.batch import Trajectory, pack
+    from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, script_from_turns
+    from rcgrpo.envs.bfcl import load_entries, split_train_test
+    from rcgrpo.rollout.agent_loop import RolloutConfig
+
+    train, _ = split_train_test(load_entries(["base"]))
+    cfg = RolloutConfig(max_new_tokens=1024, max_total_tokens=6144, doc_style="compact_no_response", progress=False)
+    trajs = []
+    for group, entry in enumerate(train[:2]):
+        for turns in (expert_turns(entry), perturbed_turns(entry, "dropped", 0)):
+            r = play_script(entry, tokenizer, script_from_turns(turns), cfg)
+            trajs.append(Trajectory(r.token_ids, r.loss_mask, group=group, reward=r.reward))
+    return pack(trajs)
+
+
+def run_path(path: str) -> dict:
+    env = dict(os.environ, RCGRPO_PROGRESS="0")
+    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, path], capture_output=True, text=True,
+                         timeout=1800, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+RESULTS: dict = {}
+
+
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_rcgrpo_update(benchmark, path):
+    result = benchmark.pedantic(lambda: run_path(path), rounds=1, iterations=1)
+    RESULTS[path] = result
+    benchmark.extra_info.update(result)
+    print(f"\n{path}: {result['seconds']:.1f} s per update, peak RSS {result['peak_rss_mb']:.0f} MB, "
+          f"{result['tokens']} tokens, loss {result['loss']:.6f}")
+
+
+def test_fused_vs_reference_ratios(benchmark):
+    if set(RESULTS) != {"reference", "fused"}:
+        pytest.skip("needs both path benchmarks of this run")
+    ref, fused = RESULTS["reference"], RESULTS["fused"]
+    ratios = {"time_ratio": fused["seconds"] / ref["seconds"],
+              "peak_mem_ratio": fused["peak_rss_mb"] / ref["peak_rss_mb"]}
+    benchmark.extra_info.update(ratios)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    print(f"\nfused / reference: time {ratios['time_ratio']:.2f}x, peak memory {ratios['peak_mem_ratio']:.2f}x")
+    assert abs(fused["loss"] - ref["loss"]) < 1e-3

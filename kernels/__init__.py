@@ -1,0 +1,28 @@
+"""Kernels for packed GRPO: token log-probs, group advantages, the clipped loss.
+
+Standalone: depends on torch (and triton, for CUDA tensors) only, so other
+GRPO code can import it without rcgrpo. Each function runs one of three
+implementations, chosen by the tensors' device or forced with ``impl=``:
+"reference" (plain PyTorch, the oracle), "chunked" (PyTorch chunked over
+tokens, the CPU path) and "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
+The packed-batch conventions are documented in ``kernels.dispatch``.
+"""
+
+from .dispatch import (
+    fused_linear_grpo_loss,
+    fused_linear_logprobs,
+    group_advantages,
+    grpo_loss,
+    token_logprobs,
+)
+from .packing import LOSS_TYPES, next_token_targets
+
+__all__ = [
+    "token_logprobs",
+    "fused_linear_logprobs",
+    "group_advantages",
+    "grpo_loss",
+    "fused_linear_grpo_loss",
+    "next_token_targets",
+    "LOSS_TYPES",
+]

@@ -1,0 +1,97 @@
+"""The clipped GRPO objective over per-token log-probs [N].
+
+One program per BLOCK tokens of the packed batch (1-D grid). Each token finds
+its sequence by binary search on cu_seqlens, reads that sequence's advantage
+and reduction weight, and writes its weighted loss and d loss / d logp in the
+same pass; backward() only rescales the saved derivative. Per-token outputs
+are summed by torch (deterministic, unlike atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import packing
+from .common import grpo_token, interpreting, search_iters, sequence_of
+
+
+@triton.jit
+def _grpo_loss_kernel(LOGP, OLD, REF, MASK, CU, ADV, WSEQ, LOSS_TOK, DLOGP, CLIP_TOK, KL_TOK,
+                      N, S, eps_low, eps_high, beta, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
+                      N_ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    counted = ok & (tl.load(MASK + offs, mask=ok, other=0) != 0)
+    logp = tl.load(LOGP + offs, mask=ok, other=0.0).to(tl.float32)
+    old = logp
+    ref = logp
+    if HAS_OLD:
+        old = tl.load(OLD + offs, mask=counted, other=0.0).to(tl.float32)
+        old = tl.where(counted, old, logp)
+    if HAS_REF:
+        ref = tl.load(REF + offs, mask=counted, other=0.0).to(tl.float32)
+        ref = tl.where(counted, ref, logp)
+    seq = sequence_of(CU, offs, S, N_ITERS)
+    adv = tl.load(ADV + seq, mask=counted, other=0.0).to(tl.float32)
+    w = tl.load(WSEQ + seq, mask=counted, other=0.0)
+    loss, dloss, clipped, kl = grpo_token(logp, old, ref, adv, eps_low, eps_high, beta, HAS_OLD, HAS_REF)
+    tl.store(LOSS_TOK + offs, tl.where(counted, loss * w, 0.0), mask=ok)
+    tl.store(DLOGP + offs, tl.where(counted, dloss * w, 0.0), mask=ok)
+    tl.store(CLIP_TOK + offs, tl.where(counted & clipped, 1.0, 0.0), mask=ok)
+    if HAS_REF:
+        tl.store(KL_TOK + offs, tl.where(counted, kl, 0.0), mask=ok)
+
+
+def _block(n: int) -> int:
+    return 32 if interpreting() else 1024
+
+
+class GrpoLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low, eps_high, beta,
+                loss_type, max_tokens):
+        n = logp.numel()
+        dev = logp.device
+        mask = loss_mask.reshape(-1).contiguous()
+        counts = packing.loss_token_counts(mask.bool(), cu_seqlens)
+        w_seq = packing.sequence_loss_weights(counts, loss_type, max_tokens)
+        lp = logp.reshape(-1).contiguous()
+        old = None if old_logp is None else old_logp.reshape(-1).contiguous()
+        ref = None if ref_logp is None else ref_logp.reshape(-1).contiguous()
+        loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
+        dlogp = torch.empty_like(loss_tok)
+        clip_tok = torch.empty_like(loss_tok)
+        kl_tok = torch.empty_like(loss_tok) if ref is not None else loss_tok
+        if n > 0:
+            blk = _block(n)
+            _grpo_loss_kernel[(triton.cdiv(n, blk),)](
+                lp, old if old is not None else lp, ref if ref is not None else lp,
+                mask.view(torch.uint8) if mask.dtype == torch.bool else mask,
+                cu_seqlens.contiguous(), advantages.detach().reshape(-1).float().contiguous(), w_seq,
+                loss_tok, dlogp, clip_tok, kl_tok, n, counts.numel(), eps_low, eps_high, beta,
+                HAS_OLD=old is not None, HAS_REF=ref is not None, N_ITERS=search_iters(counts.numel()),
+                BLOCK=blk)
+        denom = counts.sum().clamp(min=1).float()
+        stats = [clip_tok.sum() / denom]
+        if ref is not None:
+            stats.append(kl_tok.sum() / denom)
+        ctx.save_for_backward(dlogp)
+        ctx.shape, ctx.dtype = logp.shape, logp.dtype
+        ctx.mark_non_differentiable(*stats)
+        return (loss_tok.sum(), *stats)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        (dlogp,) = ctx.saved_tensors
+        return ((dlogp * grad_loss.float()).reshape(ctx.shape).to(ctx.dtype),) + (None,) * 10
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low=0.2, eps_high=0.2, beta=0.0,
+              loss_type="grpo", *, max_tokens=None):
+    packing.check_loss_type(loss_type)
+    loss, *vals = GrpoLoss.apply(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, float(eps_low),
+                                 float(eps_high), float(beta), loss_type, max_tokens)
+    keys = ["clip_frac"] + (["kl"] if ref_logp is not None else [])
+    return loss, dict(zip(keys, vals))

@@ -1,0 +1,384 @@
+"""Atomic, verified training checkpoints with fallback to the last good one.
+
+Layout under a checkpoint root (suggested: ``runs/<name>/checkpoints/<stage>``)::
+
+    ckpt-00000040/
+      model/            save_pretrained (safetensors) + tokenizer: loadable by
+                        transformers and vLLM as a plain model folder
+      optimizer.pt      optimizer.state_dict()          (if given)
+      scheduler.pt      scheduler.state_dict()          (if given)
+      rng.pt            python / numpy / torch (+ CUDA) RNG states
+      state.json        step, stage, data position, extra
+      run_config.json   the run's config                (if given)
+      MANIFEST.json     size + sha256 of every file above; written LAST
+    latest              name of the newest complete checkpoint
+
+Why it is safe against a kill at any point:
+
+* everything is written into ``ckpt-XXXXXXXX.tmp/``, fsynced, and only then
+  renamed to ``ckpt-XXXXXXXX/`` (a rename is atomic on one filesystem), so a
+  ``ckpt-*`` folder without ``.tmp`` was complete when it was renamed;
+* the manifest, written last inside the temp folder, lets ``load_latest``
+  detect later damage (a truncated or edited file) and fall back;
+* ``latest`` is replaced atomically after the rename; ``load_latest`` does not
+  depend on it (it scans and verifies), it is there for people and tools;
+* old checkpoints are pruned only after the new one is in place.
+
+One writer per checkpoint root is assumed (the trainer's main process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointWarning",
+    "save_checkpoint",
+    "load_latest",
+    "list_checkpoints",
+    "verify_checkpoint",
+    "load_model_weights",
+]
+
+FORMAT = 1
+MANIFEST = "MANIFEST.json"
+LATEST = "latest"
+_NAME = re.compile(r"^ckpt-(\d{8})$")
+_TMP = re.compile(r"^ckpt-(\d{8})\.tmp$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (the message says which file and why)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped; the message names it and the reason."""
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint on disk. Nothing is loaded until ``restore``."""
+
+    path: Path
+    step: int
+    stage: Optional[str] = None
+    data_position: Any = None
+    extra: dict = field(default_factory=dict)
+    config: Optional[dict] = None
+
+    @property
+    def model_dir(self) -> Path:
+        """A plain HF model folder: ``from_pretrained`` / ``vllm.LLM`` load it."""
+        return self.path / "model"
+
+    def restore(
+        self,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        scheduler: Any = None,
+        rng: bool = True,
+        generators: Optional[dict[str, torch.Generator]] = None,
+    ) -> "Checkpoint":
+        """Load what is given, in place: weights, optimizer, scheduler, RNGs.
+
+        Raises CheckpointError if something asked for is not in the checkpoint.
+        """
+        if model is not None:
+            load_model_weights(model, self.model_dir)
+        if optimizer is not None:
+            optimizer.load_state_dict(self._load_pt("optimizer.pt"))
+        if scheduler is not None:
+            scheduler.load_state_dict(self._load_pt("scheduler.pt"))
+        if rng or generators:
+            states = self._load_pt("rng.pt")
+            if rng:
+                _set_rng_states(states)
+            for name, gen in (generators or {}).items():
+                if name not in states.get("generators", {}):
+                    raise CheckpointError(f"{self.path}: no state for generator {name!r}")
+                gen.set_state(states["generators"][name])
+        return self
+
+    def _load_pt(self, name: str):
+        p = self.path / name
+        if not p.is_file():
+            raise CheckpointError(f"{p} is missing: the checkpoint was saved without it")
+        # weights_only: a checkpoint is data; never run pickled code from disk.
+        return torch.load(p, map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------ saving
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    tokenizer: Any = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Any = None,
+    *,
+    stage: Optional[str] = None,
+    data_position: Any = None,
+    config: Optional[dict] = None,
+    extra: Optional[dict] = None,
+    generators: Optional[dict[str, torch.Generator]] = None,
+    keep_last: int = 3,
+) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically; return its folder.
+
+    ``data_position``, ``config`` and ``extra`` must be JSON-serialisable
+    (checked before anything is written). ``keep_last`` newest checkpoints are
+    kept; older ones are deleted once the new one is complete.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    state = {"format": FORMAT, "step": int(step), "stage": stage, "data_position": data_position,
+             "extra": extra or {}, "time": time.time()}
+    state_text = json.dumps(state, indent=2)  # fails early on non-JSON data
+    config_text = json.dumps(config, indent=2) if config is not None else None
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"ckpt-{step:08d}"
+    tmp = root / f"ckpt-{step:08d}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a save that was killed
+    tmp.mkdir()
+    try:
+        model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "model"))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(_get_rng_states(generators), tmp / "rng.pt")
+        (tmp / "state.json").write_text(state_text)
+        if config_text is not None:
+            (tmp / "run_config.json").write_text(config_text)
+        _write_manifest(tmp, step)
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # earlier checkpoints are untouched
+        raise
+
+    old = None
+    if final.exists():  # the same step saved again (e.g. after a resume)
+        old = root / f"ckpt-{step:08d}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _write_latest(root, final.name)
+    _prune(root, keep_last, keep=final)
+    return final
+
+
+def _write_manifest(folder: Path, step: int) -> None:
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(folder).as_posix()
+            files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    manifest = {"format": FORMAT, "step": step, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / (LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    done = list_checkpoints(root)
+    for path in done[:-keep_last]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+    # Temp folders of other steps are leftovers of killed saves.
+    for p in root.iterdir():
+        if p.is_dir() and (_TMP.match(p.name) or p.name.endswith(".old")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
+        _fsync_dir(d)
+
+
+def _fsync_dir(d: Path) -> None:
+    # A directory fsync makes the entries (renames, new files) durable.
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- RNG state
+
+
+def _get_rng_states(generators: Optional[dict[str, torch.Generator]] = None) -> dict:
+    # numpy's state holds an ndarray; as plain ints it loads with weights_only.
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    states = {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+        "torch": torch.get_rng_state(),
+        "generators": {k: g.get_state() for k, g in (generators or {}).items()},
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    random.setstate(_tuplify(states["python"]))
+    name, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _tuplify(x):
+    """random.setstate wants tuples; a load may hand back lists."""
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ------------------------------------------------------------------ loading
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Renamed (i.e. complete-when-written) checkpoint folders, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> None:
+    """Raise CheckpointError naming the first problem found.
+
+    ``full=False`` checks presence and sizes only (skips hashing: for very
+    large models when the disk is trusted).
+    """
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{mpath} is missing: the save did not finish")
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{mpath} is unreadable: {e}") from e
+    if "state.json" not in files or not any(f.startswith("model/") for f in files):
+        raise CheckpointError(f"{mpath} lists no state.json or no model files")
+    for rel, meta in files.items():
+        p = path / rel
+        if not p.is_file():
+            raise CheckpointError(f"{p} is missing")
+        size = p.stat().st_size
+        if size != meta["size"]:
+            raise CheckpointError(f"{p} is {size} bytes, the manifest says {meta['size']} (truncated or overwritten)")
+        if full and _sha256(p) != meta["sha256"]:
+            raise CheckpointError(f"{p} does not match its sha256 in the manifest (corrupt)")
+
+
+def load_latest(root: str | os.PathLike, full_verify: bool = True) -> Optional[Checkpoint]:
+    """The newest checkpoint under ``root`` that verifies, or None if there is none.
+
+    Every checkpoint skipped on the way (corrupt, partial) and every leftover
+    ``.tmp`` folder is reported with a CheckpointWarning naming the file and
+    the reason. If checkpoints exist but none is usable, CheckpointError is
+    raised rather than silently starting over.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and _TMP.match(p.name):
+            warnings.warn(f"{p}: incomplete checkpoint left by an interrupted save; ignored", CheckpointWarning,
+                          stacklevel=2)
+    reasons = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(path, full=full_verify)
+            state = json.loads((path / "state.json").read_text())
+            cfg_path = path / "run_config.json"
+            config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
+        except (CheckpointError, ValueError, OSError) as e:
+            reasons.append(f"{path.name}: {e}")
+            warnings.warn(f"checkpoint {path} is unusable: {e}; trying the previous one", CheckpointWarning,
+                          stacklevel=2)
+            continue
+        return Checkpoint(path=path, step=int(state["step"]), stage=state.get("stage"),
+                          data_position=state.get("data_position"), extra=state.get("extra") or {}, config=config)
+    if reasons:
+        raise CheckpointError(f"no usable checkpoint in {root}:\n  " + "\n  ".join(reasons))
+    return None
+
+
+def load_model_weights(model: torch.nn.Module, model_dir: str | os.PathLike) -> None:
+    """Copy the safetensors weights of ``model_dir`` into ``model`` in place.
+
+    Keys the file omits are accepted only when they share storage with a key
+    it has (tied embeddings: save_pretrained writes them once).
+    """
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(str(shard)))
+    result = model.load_state_dict(weights, strict=False)
+    if result.unexpected_keys:
+        raise CheckpointError(f"{model_dir}: weights the model does not have: {result.unexpected_keys[:5]}")
+    own = model.state_dict()
+    loaded_ptrs = {own[k].data_ptr() for k in weights if k in own}
+    untied = [k for k in result.missing_keys if own[k].data_ptr() not in loaded_ptrs]
+    if untied:
+        raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {untied[:5]}")

@@ -1,0 +1,172 @@
+"""The RCTP data set: expert and failure trajectories, each labelled by the
+reward function and tagged with the matching reward token (PAPER.md).
+
+* expert: the ground truth of a training entry, played through the agent loop;
+* failure: rollouts of the starting model on the training entries whose
+  reward is 0;
+* perturbed: when rollouts give too few failures, expert trajectories with
+  one dropped call or one wrong argument value, executed and labelled.
+
+Labels are never assumed: a perturbed trajectory that still earns reward 1
+is tagged high. Each trajectory's prompt is rendered with the tag of its
+label (`\\n\\n[Reward Goal: <|..._reward|>]` after the first user message); the
+rest of its ids are exactly those the agent loop produced. Records go to a
+JSONL file so the fine-tuning stage can re-run without regenerating.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from rcgrpo.batch import Trajectory
+from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, script_from_turns
+from rcgrpo.envs.bfcl import Episode
+from rcgrpo.metrics import log_line, progress
+from rcgrpo.models import HIGH_REWARD, LOW_REWARD
+from rcgrpo.prompts import ChatTokens, initial_messages
+from rcgrpo.rollout.agent_loop import Rollout, RolloutConfig, run_episodes
+
+
+@dataclass
+class Record:
+    entry_id: str
+    kind: str  # expert | failure | perturbed
+    reward: float
+    r_state: float
+    r_action: float
+    valid: bool
+    reward_token: str | None  # the tag its prompt carries (None: untagged SFT data)
+    token_ids: list[int]
+    loss_mask: list[int]
+    end_reason: str
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory(self.token_ids, self.loss_mask, reward=self.reward,
+                          meta={"entry_id": self.entry_id, "kind": self.kind})
+
+
+def label_token(reward: float) -> str:
+    return HIGH_REWARD if reward >= 1.0 else LOW_REWARD
+
+
+def retag(rollout: Rollout, entry, tokenizer, token: str | None, doc_style: str) -> Record:
+    """The rollout with its prompt re-rendered under `token`: only the opening
+    prompt changes; every later id (replies, tool results, next turns) was
+    appended independently of it and is kept as produced."""
+    prompt = ChatTokens(tokenizer).prompt_ids(initial_messages(Episode(entry), token, doc_style))
+    rest = slice(rollout.prompt_len, None)
+    return Record(
+        entry_id=rollout.entry_id, kind="", reward=rollout.reward, r_state=rollout.r_state,
+        r_action=rollout.r_action, valid=rollout.valid, reward_token=token,
+        token_ids=prompt + rollout.token_ids[rest], loss_mask=[0] * len(prompt) + rollout.loss_mask[rest],
+        end_reason=rollout.end_reason,
+    )
+
+
+def _labelled(rollout, entry, tokenizer, kind, doc_style, tagged: bool) -> Record:
+    record = retag(rollout, entry, tokenizer, label_token(rollout.reward) if tagged else None, doc_style)
+    record.kind = kind
+    return record
+
+
+def demonstration_config(config: RolloutConfig) -> RolloutConfig:
+    """A scripted reply is never cut by the sampling budget of one reply (a
+    long call list is still one correct reply); only the context limit applies."""
+    return replace(config, max_new_tokens=config.max_total_tokens)
+
+
+def expert_records(entries: Sequence, tokenizer, config: RolloutConfig, tagged: bool) -> list[Record]:
+    config = demonstration_config(config)
+    out = []
+    for entry in progress(entries, desc="expert trajectories", leave=False):
+        rollout = play_script(entry, tokenizer, script_from_turns(expert_turns(entry)), config)
+        out.append(_labelled(rollout, entry, tokenizer, "expert", config.doc_style, tagged))
+    return out
+
+
+def failure_records(engine, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int, needed: int) -> list[Record]:
+    """Reward-0 rollouts of the starting model (unconditioned), at most one per
+    entry first, so failures spread over entries."""
+    if needed <= 0 or attempts <= 0:
+        return []
+    rollouts = run_episodes(engine, tokenizer, list(entries), group_size=attempts, config=config, reward_tokens=None)
+    by_id = {e.id: e for e in entries}
+    failed = [r for r in rollouts if r.reward < 1.0]
+    first, rest, seen = [], [], set()
+    for r in failed:
+        (rest if r.entry_id in seen else first).append(r)
+        seen.add(r.entry_id)
+    chosen = (first + rest)[:needed]
+    return [_labelled(r, by_id[r.entry_id], tokenizer, "failure", config.doc_style, True) for r in chosen]
+
+
+def perturbed_records(entries: Sequence, tokenizer, config: RolloutConfig, needed: int, seed: int) -> list[Record]:
+    config = demonstration_config(config)
+    out = []
+    kinds = ("dropped", "wrong_value")
+    for k in range(2 * len(entries)):
+        if len(out) >= needed:
+            break
+        entry, kind = entries[k % len(entries)], kinds[(k // len(entries)) % 2]
+        turns = perturbed_turns(entry, kind, seed)
+        if turns is None:
+            continue
+        rollout = play_script(entry, tokenizer, script_from_turns(turns), config)
+        out.append(_labelled(rollout, entry, tokenizer, "perturbed", config.doc_style, True))
+    return out
+
+
+def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, failure_ratio: float,
+               attempts: int, fill_with_perturbed: bool, seed: int) -> list[Record]:
+    """Expert + failure records, 1:1 by default (failure_ratio failures per expert)."""
+    experts = expert_records(entries, tokenizer, config, tagged=True)
+    needed = int(round(failure_ratio * len(experts)))
+    failures = failure_records(engine, entries, tokenizer, config, attempts, needed)
+    log_line(f"[rctp-data] {len(experts)} expert, {len(failures)} failures from rollouts (needed {needed})")
+    if len(failures) < needed and fill_with_perturbed:
+        perturbed = perturbed_records(entries, tokenizer, config, needed - len(failures), seed)
+        log_line(f"[rctp-data] filled with {len(perturbed)} perturbed expert trajectories")
+        failures += perturbed
+    return experts + failures
+
+
+def save_records(records: Sequence[Record], path: Path) -> Path:
+    """JSONL, written to a temp file and renamed: a crash leaves no half file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return path
+
+
+def load_records(path: Path) -> list[Record]:
+    if not Path(path).exists():
+        raise FileNotFoundError(f"RCTP data file is missing: {path}")
+    records = []
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            record = Record(**row)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"RCTP data file is malformed: {path}:{lineno}: {exc}") from None
+        if len(record.token_ids) != len(record.loss_mask):
+            raise ValueError(f"RCTP data file is malformed: {path}:{lineno}: ids and mask differ in length")
+        records.append(record)
+    return records
+
+
+def summary(records: Sequence[Record]) -> dict:
+    out: dict = {"total": len(records)}
+    for r in records:
+        key = f"{r.kind}_{'high' if r.reward_token == HIGH_REWARD else 'low'}"
+        out[key] = out.get(key, 0) + 1
+    return out

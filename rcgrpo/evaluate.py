@@ -1,0 +1,75 @@
+"""Evaluate a policy on BFCL v4 multi-turn: one greedy rollout per entry,
+scored by the official checker, tabulated per category like the paper."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+from rcgrpo.envs.bfcl import CATEGORIES, load_entries, split_train_test
+from rcgrpo.models import HIGH_REWARD, LOW_REWARD
+from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
+
+TOKENS = {"high": HIGH_REWARD, "low": LOW_REWARD, "none": None}
+
+
+def select_entries(split: str, categories: Sequence[str], subset: int | None) -> list:
+    """The split's entries of `categories`; `subset` keeps the first n of
+    each category (a stable choice: the split's order)."""
+    train, test = split_train_test(load_entries(categories))
+    pool = {"train": train, "test": test}[split]
+    if subset is None:
+        return pool
+    out, taken = [], defaultdict(int)
+    for e in pool:
+        if taken[e.category] < subset:
+            out.append(e)
+            taken[e.category] += 1
+    return out
+
+
+def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", greedy: bool = True,
+             max_new_tokens: int = 512, max_total_tokens: int = 8192, temperature: float = 1.0,
+             seed: int = 0, doc_style: str = "compact") -> dict:
+    """{"categories": {cat: accuracy}, "overall": mean over categories,
+    "n": {cat: entries}, "reward": {cat: mean reward}, "rows": per entry}."""
+    config = RolloutConfig(max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
+                           temperature=0.0 if greedy else temperature, seed=seed, doc_style=doc_style)
+    token = TOKENS[conditioning]
+    rollouts = run_episodes(engine, tokenizer, list(entries), group_size=1, config=config,
+                            reward_tokens=[token] * len(entries))
+    by_cat: dict[str, list] = defaultdict(list)
+    rows = []
+    for entry, r in zip(entries, rollouts):
+        by_cat[entry.category].append(r)
+        rows.append({"id": entry.id, "valid": r.valid, "reward": r.reward, "r_state": r.r_state,
+                     "r_action": r.r_action, "turns": r.turns, "steps": r.steps, "end_reason": r.end_reason})
+    cats = [c for c in CATEGORIES if c in by_cat]
+    acc = {c: sum(r.valid for r in by_cat[c]) / len(by_cat[c]) for c in cats}
+    return {
+        "categories": acc,
+        "overall": sum(acc.values()) / len(acc) if acc else 0.0,
+        "n": {c: len(by_cat[c]) for c in cats},
+        "reward": {c: sum(r.reward for r in by_cat[c]) / len(by_cat[c]) for c in cats},
+        "conditioning": conditioning,
+        "rows": rows,
+    }
+
+
+def table_markdown(result: dict, method: str) -> str:
+    cats = list(result["categories"])
+    head = "| method | " + " | ".join(cats) + " | overall |"
+    sep = "|---" * (len(cats) + 2) + "|"
+    cells = " | ".join(f"{100 * result['categories'][c]:.2f}" for c in cats)
+    return "\n".join([head, sep, f"| {method} | {cells} | {100 * result['overall']:.2f} |"])
+
+
+def write_eval(result: dict, out_dir: Path, method: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "eval.json", out_dir / "eval.md"
+    json_path.write_text(json.dumps({**result, "method": method}, indent=1))
+    counts = ", ".join(f"{c}: {n}" for c, n in result["n"].items())
+    md_path.write_text(f"# BFCL v4 multi-turn ({counts} entries; accuracy %, official checker)\n\n"
+                       + table_markdown(result, method) + "\n")
+    return json_path, md_path

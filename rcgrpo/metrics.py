@@ -1,0 +1,241 @@
+"""Per-step metrics: ``runs/<name>/metrics.jsonl`` (+ TensorBoard), and tqdm conventions.
+
+Every ``log`` call writes one JSON object per line and flushes it, so a
+killed run keeps every step it finished::
+
+    {"stage": "rc-grpo", "step": 12, "time": 1767000000.0, "reward_mean": 0.4, ...}
+
+Several stages share the file; each record names its stage, and steps count
+per stage. Opening a logger for a stage first cuts the file at the first
+record that the new process will redo: a record of *this* stage with
+``step > resume_step`` (every record of this stage when starting fresh,
+``resume_step=None``), and everything after it, since later lines were
+produced from the run being replaced. The cut lines are appended to
+``metrics.dropped.jsonl`` rather than lost. So after ``--resume`` from a
+checkpoint at step k, the file continues at k + 1 with no duplicates.
+
+Use the names in ``STANDARD_METRICS`` where they apply: ``rcgrpo.report``
+plots them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+__all__ = ["MetricsLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress", "log_line"]
+
+METRICS_FILE = "metrics.jsonl"
+DROPPED_FILE = "metrics.dropped.jsonl"
+
+# Names the report knows (name -> what it is). Any other numeric key is logged
+# and plotted in the overview too.
+STANDARD_METRICS = {
+    "reward_mean": "mean reward over all rollouts of the step",
+    "reward_mean_high": "mean reward of rollouts conditioned on <|high_reward|>",
+    "reward_mean_low": "mean reward of rollouts conditioned on <|low_reward|>",
+    "zero_var_frac": "fraction of groups whose G rewards are all equal (no gradient)",
+    "adv_std": "std of the advantages over the batch",
+    "entropy": "mean policy entropy on generated tokens",
+    "kl": "mean KL to the reference policy on generated tokens",
+    "clip_frac": "fraction of generated tokens whose ratio was clipped",
+    "loss": "training loss",
+    "grad_norm": "gradient norm before clipping",
+    "lr": "learning rate",
+    "tokens_per_s": "trained tokens per second",
+    "rollout_s": "seconds spent generating rollouts",
+    "update_s": "seconds spent in forward/backward/optimizer",
+}
+
+
+class MetricsFileError(RuntimeError):
+    """The metrics file is missing or unreadable (the message says where)."""
+
+
+def _plain(value: Any) -> Any:
+    """Tensors / numpy scalars -> Python numbers, so json can write them."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            return value.item()
+        except (ValueError, RuntimeError) as e:  # a multi-element tensor
+            raise TypeError(f"metric value must be a scalar, got shape {tuple(value.shape)}") from e
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"metric value must be a number, bool, str or None, got {type(value).__name__}")
+
+
+def _flatten(metrics: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in metrics.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "/"))
+        else:
+            out[key] = _plain(v)
+    return out
+
+
+def read_records(path: str | os.PathLike, strict: bool = True) -> tuple[list[dict], list[str]]:
+    """Parse a metrics file; return (records, problems).
+
+    A truncated last line (a process killed mid-write) is skipped and noted in
+    ``problems``. Any other unreadable line raises MetricsFileError when
+    ``strict``, else it is skipped and noted.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MetricsFileError(f"no metrics file at {path}: did the run log any step?")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records, problems = [], []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("not an object with an integer 'step'")
+        except ValueError as e:
+            msg = f"{path}:{i}: unreadable metrics line ({e})"
+            if i == len(lines):
+                problems.append(msg + "; the last line, probably cut off by a kill: skipped")
+                continue
+            if strict:
+                raise MetricsFileError(msg) from e
+            problems.append(msg + ": skipped")
+            continue
+        records.append(rec)
+    return records, problems
+
+
+class MetricsLogger:
+    """Append-only JSONL metrics for one stage of a run (+ TensorBoard scalars).
+
+    Args:
+        run_dir: the run folder; the file is ``run_dir/metrics.jsonl``.
+        stage: name stamped into every record (e.g. "rctp", "rc-grpo").
+        resume_step: None for a fresh start of this stage; k to continue after
+            a checkpoint at step k (records of this stage with step > k, and
+            everything after them, are cut; see the module docstring).
+        tensorboard: also write scalars to ``run_dir/tb/<stage>`` when
+            ``torch.utils.tensorboard`` imports.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        stage: Optional[str] = None,
+        resume_step: Optional[int] = None,
+        tensorboard: bool = True,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self.stage = stage
+        self.resume_step = resume_step
+        self._cut()
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = self._open_tensorboard() if tensorboard else None
+
+    def _cut(self) -> None:
+        if not self.path.is_file():
+            return
+        records, problems = read_records(self.path, strict=False)
+        for p in problems:
+            warnings.warn(p, stacklevel=3)
+        cut = len(records)
+        for i, rec in enumerate(records):
+            if rec.get("stage") == self.stage and (self.resume_step is None or rec["step"] > self.resume_step):
+                cut = i
+                break
+        kept, dropped = records[:cut], records[cut:]
+        if dropped:
+            with open(self.run_dir / DROPPED_FILE, "a", encoding="utf-8") as f:
+                for rec in dropped:
+                    f.write(json.dumps(rec) + "\n")
+        if dropped or problems:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for rec in kept:
+                    f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:  # not installed, or a broken install: JSONL is enough
+            return None
+        # One folder per stage: purge_step then only rewinds this stage.
+        log_dir = self.run_dir / "tb" / (self.stage or "main")
+        purge = None if self.resume_step is None else self.resume_step + 1
+        return SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+
+    def log(self, step: int, metrics: Optional[dict] = None, **more: Any) -> dict:
+        """Write one record for ``step``; nested dicts become "a/b" keys.
+
+        Values may be Python/numpy numbers or 0-d tensors. NaN and inf are
+        kept (written as NaN / Infinity, which Python's json reads back).
+        Returns the record written.
+        """
+        values = _flatten({**(metrics or {}), **more})
+        reserved = {"stage", "step", "time"} & values.keys()
+        if reserved:
+            raise ValueError(f"metric names {sorted(reserved)} are reserved")
+        record = {"stage": self.stage, "step": int(step), "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, global_step=int(step))
+        return record
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------- progress bars
+
+
+def progress(iterable: Optional[Iterable] = None, *, total: Optional[int] = None, desc: str = "",
+             unit: str = "it", leave: bool = True, **kwargs):
+    """tqdm with the project's conventions.
+
+    * ``desc`` names the loop ("rctp epoch 2", "rollout", "eval base");
+      inner loops pass ``leave=False`` so only outer bars stay on screen.
+    * On a terminal the bar redraws often; in a log file (CI, nohup) it
+      prints at most every 30 s so logs stay readable.
+    * ``RCGRPO_PROGRESS=0`` turns every bar off.
+    * Print with ``log_line`` (tqdm.write) while a bar is active.
+    """
+    from tqdm.auto import tqdm
+
+    tty = sys.stderr.isatty()
+    kwargs.setdefault("mininterval", 0.5 if tty else 30.0)
+    kwargs.setdefault("dynamic_ncols", True)
+    kwargs.setdefault("disable", os.environ.get("RCGRPO_PROGRESS", "1") == "0")
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, **kwargs)
+
+
+def log_line(message: str) -> None:
+    """Print a line without breaking active progress bars."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(message, file=sys.stderr)

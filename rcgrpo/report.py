@@ -1,0 +1,254 @@
+"""`python -m rcgrpo.report RUN_DIR`: metrics.jsonl -> PNG plots + report.md.
+
+Reads ``RUN_DIR/metrics.jsonl`` (written by ``rcgrpo.metrics``), draws
+
+* ``reward.png``          mean reward, overall and per reward token,
+* ``zero_var_frac.png``   fraction of groups with zero reward variance,
+* ``entropy.png``, ``kl.png``,
+* ``overview.png``        a grid of every numeric metric,
+
+each against the step, one line per stage that logged it; and writes
+``RUN_DIR/report.md`` with a per-stage summary, the plots, and the evaluation
+table when ``RUN_DIR/eval.json`` exists.
+
+``eval.json``: ``{"categories": {"base": acc, ...}, "overall": acc, "n": {...}}``
+with accuracies as fractions in [0, 1] (a file whose values exceed 1 is read
+as already in %), optionally ``"method"``; or a list of such objects, one
+table row each. The table follows the paper's layout: rows = method, columns
+base / miss_func / miss_param / long_context / overall, in %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from rcgrpo.metrics import METRICS_FILE, STANDARD_METRICS, MetricsFileError, read_records
+
+__all__ = ["write_report", "plot_metrics", "eval_table_markdown", "ReportError", "main"]
+
+EVAL_FILE = "eval.json"
+REPORT_FILE = "report.md"
+CATEGORY_COLUMNS = ("base", "miss_func", "miss_param", "long_context")
+# One figure per headline quantity; the series that share an axis.
+FIGURES = {
+    "reward": ("mean reward", ["reward_mean", "reward_mean_high", "reward_mean_low"]),
+    "zero_var_frac": ("fraction of zero-variance groups", ["zero_var_frac"]),
+    "entropy": ("policy entropy", ["entropy"]),
+    "kl": ("KL to reference", ["kl"]),
+}
+SERIES_LABEL = {"reward_mean": "all rollouts", "reward_mean_high": "<|high_reward|>",
+                "reward_mean_low": "<|low_reward|>"}
+METHOD_NAMES = {"rctp+rc-grpo": "RCTP + RC-GRPO", "rctp+grpo": "RCTP + GRPO", "sft+grpo": "SFT + GRPO",
+                "sft+rc-grpo": "SFT + RC-GRPO"}
+
+
+class ReportError(RuntimeError):
+    """The run folder lacks what a report needs (the message says what)."""
+
+
+def _numeric(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _series(records: list[dict], key: str) -> dict[Optional[str], tuple[list[int], list[float]]]:
+    """stage -> (steps, values) for one metric, in file order; NaN kept (gaps)."""
+    out: dict = {}
+    for r in records:
+        v = r.get(key)
+        if _numeric(v):
+            xs, ys = out.setdefault(r.get("stage"), ([], []))
+            xs.append(r["step"])
+            ys.append(float(v))
+    return out
+
+
+def _numeric_keys(records: list[dict]) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in records:
+        for k, v in r.items():
+            if k not in ("step", "time") and _numeric(v):
+                seen.setdefault(k, None)
+    known = [k for k in STANDARD_METRICS if k in seen]
+    return known + sorted(k for k in seen if k not in STANDARD_METRICS)
+
+
+def plot_metrics(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
+    """Write the PNGs for whichever figures have data; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    written = []
+
+    def draw(ax, key: str, series_label: str = "") -> bool:
+        series = _series(records, key)
+        for stage, (xs, ys) in series.items():
+            parts = [series_label] if series_label else []
+            if len(series) > 1 or not parts:
+                parts.append(stage or "run")
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=" / ".join(parts))
+        return bool(series)
+
+    for name, (title, keys) in FIGURES.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+        drew = False
+        for key in keys:
+            drew |= draw(ax, key, SERIES_LABEL.get(key, "") if len(keys) > 1 else "")
+        if drew:
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if name in ("reward", "zero_var_frac"):
+                ax.set_ylim(-0.05, 1.05)  # both live in [0, 1]: keep runs comparable
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = out_dir / f"{name}.png"
+            fig.savefig(path)
+            written.append(path)
+        plt.close(fig)
+
+    keys = _numeric_keys(records)
+    if keys:
+        cols = min(3, len(keys))
+        rows = math.ceil(len(keys) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), dpi=100, squeeze=False)
+        for ax, key in zip(axes.flat, keys):
+            draw(ax, key)
+            stages = list(_series(records, key))
+            ax.set_title(key if len(stages) != 1 else f"{key} ({stages[0] or 'run'})", fontsize=9)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+            if len(_series(records, key)) > 1:
+                ax.legend(fontsize=6)
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = out_dir / "overview.png"
+        fig.savefig(path)
+        written.append(path)
+        plt.close(fig)
+    return written
+
+
+def _pct(x) -> str:
+    return "-" if x is None or not _numeric(x) else f"{x:.2f}"
+
+
+def eval_table_markdown(rows: Sequence[dict], default_method: str = "this run") -> str:
+    """The paper-style table (accuracy in %) for one or more eval results."""
+    head = "| method | " + " | ".join(CATEGORY_COLUMNS) + " | overall |"
+    lines = [head, "|" + "---|" * (len(CATEGORY_COLUMNS) + 2)]
+    ns: dict = {}
+    for row in rows:
+        cats = row.get("categories") or {}
+        values = [cats.get(c) for c in CATEGORY_COLUMNS] + [row.get("overall")]
+        # Fractions are the documented form; a row already in % is left as is.
+        scale = 1.0 if any(_numeric(v) and v > 1.0 for v in values) else 100.0
+        cells = [_pct(v * scale if _numeric(v) else None) for v in values]
+        lines.append(f"| {row.get('method') or default_method} | " + " | ".join(cells) + " |")
+        ns = ns or row.get("n") or {}
+    if ns:
+        lines.append("")
+        lines.append("Entries evaluated: " + ", ".join(f"{k} {v}" for k, v in ns.items()) + ".")
+    return "\n".join(lines)
+
+
+def _read_eval(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{path} is not readable JSON: {e}") from e
+    rows = data if isinstance(data, list) else [data]
+    for r in rows:
+        if not isinstance(r, dict) or not isinstance(r.get("categories"), dict):
+            raise ReportError(f"{path}: expected {{'categories': {{...}}, 'overall': ...}} (or a list of them)")
+    return rows
+
+
+def _run_method(run_dir: Path) -> str:
+    cfg_path = run_dir / "config.json"
+    try:
+        pipeline = json.loads(cfg_path.read_text())["run"]["pipeline"]
+        return METHOD_NAMES.get(pipeline, pipeline)
+    except (OSError, ValueError, KeyError, TypeError):
+        return run_dir.name
+
+
+def _stage_summary(records: list[dict]) -> list[str]:
+    stages: dict = {}
+    for r in records:
+        stages.setdefault(r.get("stage"), []).append(r)
+    lines = []
+    for stage, recs in stages.items():
+        steps = [r["step"] for r in recs]
+        lines.append(f"### {stage or 'run'}: {len(recs)} records, steps {min(steps)}-{max(steps)}")
+        lines.append("")
+        lines.append("| metric | first | last | min | max |")
+        lines.append("|---|---|---|---|---|")
+        for key in _numeric_keys(recs):
+            ys = [float(r[key]) for r in recs if _numeric(r.get(key)) and math.isfinite(r[key])]
+            if ys:
+                lines.append(f"| {key} | {ys[0]:.4g} | {ys[-1]:.4g} | {min(ys):.4g} | {max(ys):.4g} |")
+        lines.append("")
+    return lines
+
+
+def write_report(run_dir: str | os.PathLike) -> Path:
+    """Plots + ``report.md`` for a run; returns the markdown path.
+
+    Raises ReportError for a missing, empty or corrupt metrics file or an
+    unreadable eval.json.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"run folder {run_dir} does not exist")
+    try:
+        records, problems = read_records(run_dir / METRICS_FILE)
+    except MetricsFileError as e:
+        raise ReportError(str(e)) from e
+    if not records:
+        raise ReportError(f"{run_dir / METRICS_FILE} has no metric records")
+    method = _run_method(run_dir)
+    plots = plot_metrics(records, run_dir)
+
+    md = [f"# Run report: {run_dir.name}", "", f"Method: {method}.", ""]
+    if problems:
+        md += ["Notes on the metrics file:", ""] + [f"- {p}" for p in problems] + [""]
+    eval_path = run_dir / EVAL_FILE
+    if eval_path.is_file():
+        md += ["## Evaluation (accuracy, %)", "", eval_table_markdown(_read_eval(eval_path), method), ""]
+    else:
+        md += ["## Evaluation", "", f"No {EVAL_FILE} in this run folder yet.", ""]
+    md += ["## Training dynamics", ""]
+    md += [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    md += ["## Per-stage summary", ""] + _stage_summary(records)
+    out = run_dir / REPORT_FILE
+    out.write_text("\n".join(md))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rcgrpo.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="a run folder, e.g. runs/rctp_rc-grpo")
+    args = parser.parse_args(argv)
+    try:
+        out = write_report(args.run_dir)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {out}")
+    for png in sorted(out.parent.glob("*.png")):
+        print(f"plot:   {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

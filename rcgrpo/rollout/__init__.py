@@ -1,0 +1,45 @@
+"""Rollout: engines that turn token ids into token ids, and the multi-turn agent loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .engine import Engine, Generation, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "Generation", "SamplingConfig", "make_engine", "vllm_available"]
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_engine(kind: str, model_path: str | os.PathLike, *, policy=None, **vllm_kwargs) -> Engine:
+    """kind: "vllm", "hf", or "auto" (vLLM when importable, else HF with a notice).
+
+    `policy` (a models.Policy) is the model the HF engine generates with; when
+    absent it is loaded from `model_path`.
+    """
+    if kind not in ("auto", "vllm", "hf"):
+        raise ValueError(f"unknown engine {kind!r}: auto, vllm or hf")
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+        if kind == "hf":
+            log.warning("rcgrpo: vLLM is not installed; rollouts use the slower transformers engine")
+    if kind == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, **vllm_kwargs)
+    from .hf_engine import HFEngine
+
+    if policy is None:
+        from ..models import load_policy
+
+        policy = load_policy(model_path)
+    return HFEngine(policy.model, policy.tokenizer)

@@ -1,0 +1,180 @@
+"""Many multi-turn BFCL episodes at once, token-in / token-out.
+
+Each conversation is a growing list of token ids. The engine's sampled ids are
+appended as they are (loss mask 1); tool results and the next turn's user
+messages are appended as the ids of the chat template's rendering of just
+those messages (mask 0). Decoded text only goes to the environment and into a
+readable message log; it is never tokenised again. All live conversations
+advance together: one engine call per step serves all of them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from tqdm.auto import tqdm
+
+from ..models import HIGH_REWARD, LOW_REWARD
+from ..prompts import ChatTokens, initial_messages
+from .engine import Engine, SamplingConfig
+
+
+@dataclass
+class RolloutConfig:
+    max_new_tokens: int = 256  # per model reply
+    max_total_tokens: int = 8192  # whole conversation; SmolLM2's context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    doc_style: str = "compact"
+    p_high: float = 0.5  # P(<|high_reward|>) when tokens are drawn
+    progress: bool = True
+
+
+@dataclass
+class Rollout:
+    entry_id: str
+    group: int  # index of the entry in the call: rollouts of one prompt share it
+    reward_token: str | None
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 exactly on sampled tokens
+    logprobs: list[float]  # sampling log-prob on sampled tokens, 0.0 elsewhere
+    prompt_len: int
+    reward: float = 0.0
+    r_state: float = 0.0
+    r_action: float = 0.0
+    valid: bool = False  # official BFCL verdict
+    turns: int = 0
+    steps: int = 0
+    end_reason: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)  # readable log
+
+
+def draw_reward_tokens(n: int, p_high: float, rng: random.Random) -> list[str]:
+    """RC-GRPO's r_j ~ P_sample, drawn independently per rollout."""
+    return [HIGH_REWARD if rng.random() < p_high else LOW_REWARD for _ in range(n)]
+
+
+class _Conversation:
+    """One rollout in progress: its episode, ids, mask and message log."""
+
+    def __init__(self, index: int, rollout: Rollout, episode, chat: ChatTokens, cfg: RolloutConfig):
+        self.index, self.r, self.ep, self.chat, self.cfg = index, rollout, episode, chat, cfg
+
+    @property
+    def done(self) -> bool:
+        return self.ep.done
+
+    def budget(self) -> int:
+        return min(self.cfg.max_new_tokens, self.cfg.max_total_tokens - len(self.r.token_ids))
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, sampled: bool) -> None:
+        self.r.token_ids.extend(ids)
+        self.r.loss_mask.extend([int(sampled)] * len(ids))
+        self.r.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    def consume(self, ids: list[int], logprobs: list[float] | None, finish_reason: str) -> None:
+        """Append a model reply, let the environment act on it, append what follows."""
+        self.append(ids, logprobs if logprobs is not None else [0.0] * len(ids), sampled=True)
+        closed = bool(ids) and ids[-1] == self.chat.eot_id
+        text = self.chat.decode_reply(ids)
+        self.r.messages.append({"role": "assistant", "content": text})
+        if finish_reason == "length" and len(self.r.token_ids) >= self.cfg.max_total_tokens:
+            # Cut by the context limit, not by the model: not a reply to execute.
+            self.ep.finish("max_length")
+            return
+        res = self.ep.step(text)
+        if self.ep.done:
+            return
+        new = res.tool_messages if not res.turn_ended else self.ep.turn_messages()
+        suffix = self.chat.continuation_ids(self.r.messages, new, reply_closed=closed)
+        if len(self.r.token_ids) + len(suffix) >= self.cfg.max_total_tokens:
+            # No room left for the model to answer what it would be shown.
+            self.ep.finish("max_length")
+            return
+        self.append(suffix, None, sampled=False)
+        self.r.messages.extend(new)
+
+    def close(self) -> Rollout:
+        res = self.ep.result()
+        self.r.reward, self.r.r_state, self.r.r_action = res.reward, res.r_state, res.r_action
+        self.r.valid, self.r.turns, self.r.steps, self.r.end_reason = res.valid, res.turns, res.steps, res.end_reason
+        return self.r
+
+
+def run_episodes(
+    engine: Engine,
+    tokenizer,
+    entries: Sequence,
+    group_size: int = 5,
+    config: RolloutConfig | None = None,
+    reward_tokens: Sequence[str | None] | str | None = "sample",
+    episode_factory: Callable | None = None,
+) -> list[Rollout]:
+    """Play `group_size` rollouts of every entry; rollouts come back entry by entry.
+
+    reward_tokens: "sample" draws one per rollout with P(high) = p_high;
+    None conditions on nothing; a list gives one token (or None) per rollout.
+    """
+    cfg = config or RolloutConfig()
+    if episode_factory is None:
+        from ..envs.bfcl import Episode as episode_factory
+    chat = ChatTokens(tokenizer)
+    rng = random.Random(cfg.seed)
+    n = len(entries) * group_size
+    if reward_tokens == "sample":
+        tokens = draw_reward_tokens(n, cfg.p_high, rng)
+    elif reward_tokens is None:
+        tokens = [None] * n
+    else:
+        tokens = list(reward_tokens)
+        if len(tokens) != n:
+            raise ValueError(f"{len(tokens)} reward tokens for {n} rollouts")
+
+    convs: list[_Conversation] = []
+    for g, entry in enumerate(entries):
+        for k in range(group_size):
+            j = g * group_size + k
+            ep = episode_factory(entry)
+            messages = initial_messages(ep, tokens[j], cfg.doc_style)
+            ids = chat.prompt_ids(messages)
+            r = Rollout(entry.id, g, tokens[j], ids, [0] * len(ids), [0.0] * len(ids), len(ids), messages=messages)
+            conv = _Conversation(j, r, ep, chat, cfg)
+            if len(ids) >= cfg.max_total_tokens:
+                ep.finish("prompt_too_long")
+            convs.append(conv)
+
+    bar = tqdm(total=n, desc="rollouts", unit="ep", disable=not cfg.progress, leave=False)
+    bar.update(sum(c.done for c in convs))
+    step = 0
+    while active := [c for c in convs if not c.done]:
+        for c in active:
+            if c.budget() <= 0:
+                c.ep.finish("max_length")
+        active = [c for c in active if not c.done]
+        if not active:
+            break
+        sampling = [
+            SamplingConfig(
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                max_tokens=c.budget(),
+                # Distinct, reproducible per rollout and step, whatever the batch.
+                seed=(cfg.seed * 1_000_003 + c.index * 10_007 + step) % (2**31),
+            )
+            for c in active
+        ]
+        outputs = engine.generate([c.r.token_ids for c in active], sampling)
+        for c, gens in zip(active, outputs):
+            g = gens[0]
+            c.consume(list(g.token_ids), g.logprobs, g.finish_reason)
+        step += 1
+        finished = sum(c.done for c in active)
+        bar.update(finished)
+        bar.set_postfix(step=step, active=len(active) - finished)
+    bar.close()
+    return [c.close() for c in convs]

@@ -1,0 +1,77 @@
+"""The contract every rollout engine meets: token ids in, token ids (+ log-probs) out.
+
+Prompts are token id lists, never text: the agent loop owns tokenisation, so
+the ids the trainer scores are exactly the ids the engine consumed or produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_tokens: int = 256
+    n: int = 1  # samples per prompt
+    seed: int | None = None  # per request where the engine supports it
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's end-of-turn token
+    logprobs: bool = True
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # sampled ids, including the end-of-turn id if sampled
+    logprobs: list[float] | None  # log pi(token) at the sampling temperature
+    finish_reason: str  # "stop" (end-of-turn or stop id) or "length"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    supports_sleep: bool
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig | Sequence[SamplingConfig],
+    ) -> list[list[Generation]]:
+        """One list of `n` generations per prompt, in prompt order."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the policy weights in place (HF parameter names)."""
+
+    def sleep(self) -> None:
+        """Free accelerator memory between rollout phases (no-op where unsupported)."""
+
+    def wake_up(self) -> None:
+        """Undo sleep() before the next generate()."""
+
+
+# Wrappers a trainer may leave on parameter names (DDP, torch.compile, PEFT).
+_NAME_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """`module._orig_mod.model.norm.weight` -> `model.norm.weight`."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _NAME_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix) :], True
+    return name
+
+
+def per_prompt(sampling: SamplingConfig | Sequence[SamplingConfig], n_prompts: int) -> list[SamplingConfig]:
+    if isinstance(sampling, SamplingConfig):
+        return [sampling] * n_prompts
+    sampling = list(sampling)
+    if len(sampling) != n_prompts:
+        raise ValueError(f"{len(sampling)} sampling configs for {n_prompts} prompts")
+    return sampling

@@ -1,0 +1,1 @@
+"""Training stages: supervised fine-tuning (SFT / RCTP) and GRPO / RC-GRPO."""

@@ -1,0 +1,111 @@
+"""What every stage of a run shares: config, device, folders, the tokenizer,
+and how a stage's model is saved for the next stage."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rcgrpo.checkpoint import load_latest, save_checkpoint
+from rcgrpo.config import Config
+from rcgrpo.metrics import MetricsLogger, log_line
+
+DONE_MARKER = "stage_done.json"
+
+
+@dataclass
+class RunContext:
+    cfg: Config
+    device: torch.device
+    tokenizer: object
+    base_model_dir: Path  # the starting policy (token-extended)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir
+
+    def stage_model_dir(self, stage: str) -> Path:
+        """Where a finished stage leaves its policy for the next stage."""
+        return self.run_dir / "models" / stage
+
+    def stage_done(self, stage: str) -> bool:
+        return (self.stage_model_dir(stage) / DONE_MARKER).exists() or (
+            self.run_dir / "stages" / f"{stage}.done"
+        ).exists()
+
+    def mark_done(self, stage: str, info: dict) -> None:
+        folder = self.run_dir / "stages"
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{stage}.done.tmp"
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(folder / f"{stage}.done")
+
+    def export_model(self, stage: str, model) -> Path:
+        """Save the stage's final policy (safetensors + tokenizer) atomically."""
+        final = self.stage_model_dir(stage)
+        tmp = final.with_name(final.name + ".tmp")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        model.save_pretrained(tmp, safe_serialization=True)
+        self.tokenizer.save_pretrained(tmp)
+        (tmp / DONE_MARKER).write_text(json.dumps({"stage": stage}))
+        if final.exists():
+            import shutil
+
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return final
+
+    def checkpoint_root(self, stage: str) -> Path:
+        return self.run_dir / "checkpoints" / stage
+
+    def save(self, stage: str, step: int, model, optimizer, scheduler, data_position, extra=None) -> None:
+        save_checkpoint(
+            self.checkpoint_root(stage), step, model, self.tokenizer, optimizer, scheduler,
+            stage=stage, data_position=data_position, config=self.cfg.to_dict(), extra=extra or {},
+            keep_last=self.cfg.run.keep_last,
+        )
+
+    def resume(self, stage: str, model, optimizer, scheduler):
+        """(step, data_position, extra) restored from the latest good
+        checkpoint of this stage, or (0, None, {}) for a fresh start."""
+        if not self.cfg.run.resume:
+            return 0, None, {}
+        ckpt = load_latest(self.checkpoint_root(stage))
+        if ckpt is None:
+            return 0, None, {}
+        ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler)
+        log_line(f"[{stage}] resumed from {ckpt.path} (step {ckpt.step})")
+        return ckpt.step, ckpt.data_position, ckpt.extra
+
+    def metrics(self, stage: str, resume_step: int | None) -> MetricsLogger:
+        return MetricsLogger(self.run_dir, stage=stage, resume_step=resume_step,
+                             tensorboard=self.cfg.run.tensorboard)
+
+
+def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warmup_ratio: float):
+    """AdamW (the paper's optimizer for SFT; our choice for the RL stages) and
+    a linear warm-up to a constant rate."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    warmup = max(1, int(round(total_steps * warmup_ratio))) if warmup_ratio > 0 else 0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    )
+    return optimizer, scheduler
+
+
+def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.zeros(())
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)

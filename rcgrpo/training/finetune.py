@@ -1,0 +1,59 @@
+"""Supervised fine-tuning on trajectories: the SFT baseline (expert only) and
+RCTP (expert + failure, reward-token tagged). Loss only on the tokens the
+policy generates (assistant turns), packed micro-batches, AdamW."""
+from __future__ import annotations
+
+import random
+import time
+from typing import Sequence
+
+import torch
+
+from rcgrpo.batch import Trajectory, pack, pack_micro_batches
+from rcgrpo.metrics import progress
+from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+from rcgrpo.training.losses import sft_loss
+
+
+def epoch_order(n: int, epochs: int, seed: int) -> list[int]:
+    """Trajectory indices for all epochs, each epoch reshuffled from the seed."""
+    order = []
+    for epoch in range(epochs):
+        idx = list(range(n))
+        random.Random(seed * 1_000 + epoch).shuffle(idx)
+        order.extend(idx)
+    return order
+
+
+def finetune(ctx: RunContext, stage: str, model, trajectories: Sequence[Trajectory], section) -> dict:
+    """Train `model` in place. `section` is cfg.rctp or cfg.sft (lr, batch_size,
+    epochs, weight_decay, warmup_ratio, max_grad_norm). Resumable."""
+    if not trajectories:
+        raise ValueError(f"[{stage}] no trajectories to train on")
+    order = epoch_order(len(trajectories), section.epochs, ctx.cfg.data.seed)
+    total_steps = -(-len(order) // section.batch_size)
+    optimizer, scheduler = make_optimizer(model, section.lr, section.weight_decay, total_steps, section.warmup_ratio)
+    start, _, _ = ctx.resume(stage, model, optimizer, scheduler)
+    model.train()
+    last = {}
+    with ctx.metrics(stage, resume_step=start if start else None) as log:
+        for step in progress(range(start, total_steps), total=total_steps, initial=start, desc=stage):
+            t0 = time.perf_counter()
+            chunk = [trajectories[i] for i in order[step * section.batch_size:(step + 1) * section.batch_size]]
+            full = pack(chunk).to(ctx.device)
+            stats_sum, tokens = 0.0, 0
+            for micro in pack_micro_batches(full, ctx.cfg.run.micro_batch_tokens):
+                loss, stats = sft_loss(model, micro, fused=ctx.cfg.run.fused)
+                weight = stats["loss_tokens"] / max(full.num_loss_tokens, 1)
+                (loss * weight).backward()
+                stats_sum += stats["nll"] * stats["loss_tokens"]
+                tokens += stats["loss_tokens"]
+            grad_norm = clip_and_step(model, optimizer, scheduler, section.max_grad_norm)
+            elapsed = time.perf_counter() - t0
+            last = log.log(step + 1, loss=stats_sum / max(tokens, 1), grad_norm=grad_norm,
+                           lr=scheduler.get_last_lr()[0], tokens_per_s=full.num_tokens / elapsed,
+                           update_s=elapsed, loss_tokens=tokens)
+            if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < total_steps:
+                ctx.save(stage, step + 1, model, optimizer, scheduler, data_position=step + 1)
+    model.eval()
+    return last

@@ -1,0 +1,49 @@
+"""``import kernels`` stands alone: no rcgrpo, no GPU, no Triton until used,
+and it is never mistaken for the Hugging Face ``kernels`` hub package."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str) -> dict:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_without_rcgrpo_or_gpu():
+    res = _python(
+        "import json, sys, torch\n"
+        "import kernels\n"
+        "lp = kernels.token_logprobs(torch.zeros(2, 5), torch.tensor([0, 4]))\n"
+        "print(json.dumps({'rcgrpo': 'rcgrpo' in sys.modules, 'triton': 'triton' in sys.modules,\n"
+        "  'cuda': torch.cuda.is_initialized(), 'api': sorted(kernels.__all__), 'lp': lp.tolist()}))\n"
+    )
+    assert not res["rcgrpo"]
+    assert not res["triton"]  # Triton is imported only when the Triton path runs
+    assert not res["cuda"]
+    assert {"token_logprobs", "fused_linear_logprobs", "group_advantages", "grpo_loss",
+            "fused_linear_grpo_loss"} <= set(res["api"])
+    assert abs(res["lp"][0] + 1.6094379) < 1e-5  # log(1/5)
+
+
+def test_not_mistaken_for_hf_kernels_package():
+    """transformers probes a top-level ``kernels`` module; it must not think
+    the hub package is there (it would then call kernels.get_kernel). This
+    holds while the distribution that ships our ``kernels`` (rcgrpo) has a
+    version outside the hub package's accepted range."""
+    res = _python(
+        "import json\n"
+        "from transformers.utils.import_utils import is_kernels_available\n"
+        "print(json.dumps({'available': bool(is_kernels_available())}))\n"
+    )
+    assert res["available"] is False

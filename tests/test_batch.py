@@ -1,0 +1,320 @@
+"""Packed batches: layout invariants, micro-batching, and the proof that a
+packed forward equals separate forwards on a real transformers model."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rcgrpo.batch import (
+    PackedBatch,
+    Trajectory,
+    accumulation_weight,
+    additive_mask,
+    balance_micro_batches,
+    block_causal_mask,
+    pack,
+    pack_micro_batches,
+    packed_forward,
+)
+
+
+@st.composite
+def trajectories(draw, max_seqs=6, max_len=12):
+    n_seqs = draw(st.integers(1, max_seqs))
+    out = []
+    for s in range(n_seqs):
+        n = draw(st.integers(1, max_len))
+        ids = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+        mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+        lp = draw(st.lists(st.floats(-20, 0, allow_nan=False), min_size=n, max_size=n))
+        out.append(Trajectory(ids, mask, group=s // 2, reward=float(s % 2), logprobs=lp))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(trajectories())
+def test_pack_invariants(trajs):
+    b = pack(trajs)
+    lens = [len(t) for t in trajs]
+    n = sum(lens)
+    assert b.num_tokens == n and b.num_seqs == len(trajs) and b.seq_lens == lens
+    assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens.tolist()[0] == 0 and b.cu_seqlens[-1] == n
+    assert b.input_ids.tolist() == [x for t in trajs for x in t.token_ids]
+    assert b.position_ids.tolist() == [p for L in lens for p in range(L)]
+    assert b.sampled_mask.tolist() == [bool(m) for t in trajs for m in t.sample_mask]
+    assert b.loss_mask.dtype == torch.bool and b.targets.dtype == torch.long
+    i = 0
+    for t in trajs:
+        for j in range(len(t)):
+            if j + 1 < len(t):
+                assert b.targets[i] == t.token_ids[j + 1]
+                assert bool(b.loss_mask[i]) == bool(t.sample_mask[j + 1])
+                if t.sample_mask[j + 1]:
+                    assert b.old_logp[i].item() == pytest.approx(t.logprobs[j + 1])
+                else:
+                    assert b.old_logp[i] == 0
+            else:  # last token of a sequence: no target
+                assert not b.loss_mask[i] and b.targets[i] == 0 and b.old_logp[i] == 0
+            i += 1
+    assert b.seq_group.tolist() == [t.group for t in trajs]
+    assert b.rewards.tolist() == [t.reward for t in trajs]
+    assert b.ref_logp is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(trajectories())
+def test_pack_agrees_with_kernels_alignment(trajs):
+    """The kernels derive (targets, mask) from the unshifted mask: same answer."""
+    packing = pytest.importorskip("kernels.packing")
+    b = pack(trajs)
+    targets, pred_mask = packing.next_token_targets(b.input_ids, b.sampled_mask, b.cu_seqlens)
+    assert torch.equal(pred_mask, b.loss_mask)
+    assert torch.equal(targets, b.targets)
+
+
+def test_logprobs_given_per_sampled_token():
+    full = Trajectory([1, 2, 3, 4], [0, 1, 0, 1], logprobs=[9.0, -1.0, 9.0, -2.0])
+    gathered = dataclasses.replace(full, logprobs=[-1.0, -2.0], ref_logprobs=[-1.5, -2.5])
+    a, b = pack([full]), pack([gathered])
+    assert torch.equal(a.old_logp, b.old_logp)
+    assert a.old_logp.tolist() == [-1.0, 0.0, -2.0, 0.0]
+    assert b.ref_logp.tolist() == [-1.5, 0.0, -2.5, 0.0]
+
+
+@pytest.mark.parametrize(
+    "trajs, msg",
+    [
+        ([], "at least one"),
+        ([Trajectory([], [])], "empty"),
+        ([Trajectory([1, 2], [1])], "sample_mask"),
+        ([Trajectory([1, 2], [0, 1], logprobs=[1.0, 2.0, 3.0])], "logprobs"),
+        ([Trajectory([1, 2], [0, 1], logprobs=[-1.0]), Trajectory([3], [0])], "some trajectories"),
+        ([Trajectory([1, -2], [0, 1])], "negative"),
+    ],
+)
+def test_pack_rejects_bad_input(trajs, msg):
+    with pytest.raises(ValueError, match=msg):
+        pack(trajs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 600), st.integers(1, 4))
+def test_micro_batches_partition_and_respect_budget(lengths, budget, min_bins):
+    bins = balance_micro_batches(lengths, budget, min_bins)
+    flat = sorted(i for b in bins for i in b)
+    assert flat == list(range(len(lengths)))
+    assert len(bins) >= min(min_bins, len(lengths))
+    for b in bins:
+        assert b and b == sorted(b)
+        load = sum(lengths[i] for i in b)
+        assert load <= budget or len(b) == 1  # only a lone oversize sequence exceeds it
+
+
+def test_micro_batches_are_balanced():
+    lengths = [100, 90, 80, 70, 60, 50, 40, 30, 20, 10]  # 550 tokens
+    bins = balance_micro_batches(lengths, 300)
+    loads = sorted(sum(lengths[i] for i in b) for b in bins)
+    assert len(bins) == 2 and loads[1] - loads[0] <= 10
+
+
+@settings(max_examples=40, deadline=None)
+@given(trajectories(max_seqs=8), st.integers(1, 30))
+def test_select_keeps_each_sequence_intact(trajs, budget):
+    full = pack(trajs)
+    full = dataclasses.replace(full, advantages=torch.arange(full.num_seqs, dtype=torch.float32))
+    seen = []
+    for mb in pack_micro_batches(full, budget):
+        assert mb.cu_seqlens.dtype == torch.int32
+        for k, s in enumerate(mb.advantages.long().tolist()):
+            single = pack([trajs[s]])
+            a, b = int(mb.cu_seqlens[k]), int(mb.cu_seqlens[k + 1])
+            for name in ("input_ids", "position_ids", "loss_mask", "targets", "old_logp", "sampled_mask"):
+                assert torch.equal(getattr(mb, name)[a:b], getattr(single, name)), name
+            assert mb.seq_group[k] == trajs[s].group and mb.rewards[k] == trajs[s].reward
+            seen.append(s)
+    assert sorted(seen) == list(range(len(trajs)))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_accumulation_weights_reproduce_full_batch_loss(loss_type):
+    ref = pytest.importorskip("kernels.reference")
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for s in range(7):
+        n = int(torch.randint(3, 15, (1,), generator=g))
+        mask = (torch.rand(n, generator=g) > 0.4).long().tolist()
+        trajs.append(Trajectory(list(range(n)), mask, group=s // 3, reward=float(s % 2)))
+    trajs.append(Trajectory([1, 2, 3], [0, 0, 0], group=9))  # no loss tokens at all
+    full = pack(trajs)
+    full = dataclasses.replace(full, advantages=torch.randn(full.num_seqs, generator=g))
+    logp = -torch.rand(full.num_tokens, generator=g)
+    full_logp = dict(zip(range(full.num_tokens), logp))  # token index -> value
+
+    def loss_of(b: PackedBatch, lp):
+        kw = {"max_tokens": 20.0} if loss_type == "dr_grpo" else {}
+        loss, _ = ref.grpo_loss(lp, lp + 0.05, None, b.advantages, b.loss_mask, b.cu_seqlens, loss_type=loss_type, **kw)
+        return loss
+
+    expected = loss_of(full, logp)
+    # Tag each token with its packed index to find its logp after re-packing.
+    tagged = dataclasses.replace(full, old_logp=torch.arange(full.num_tokens, dtype=torch.float32))
+    total = 0.0
+    for mb in pack_micro_batches(tagged, 25):
+        lp = torch.stack([full_logp[int(i)] for i in mb.old_logp])
+        total += accumulation_weight(mb, full, loss_type) * loss_of(mb, lp)
+    assert float(total) == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_block_causal_mask_shape_and_content():
+    m = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32))
+    assert m.shape == (1, 1, 5, 5) and m.dtype == torch.bool
+    expect = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool
+    )
+    assert torch.equal(m[0, 0], expect)
+    add = additive_mask(m, torch.float32)
+    assert add[0, 0, 1, 0] == 0 and add[0, 0, 2, 0] == torch.finfo(torch.float32).min
+
+
+# ---------------------------------------------------------------- the proof
+
+
+def _tiny_llama(attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _ragged(vocab: int, lens=(7, 19, 4), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _separate_hidden(model, seqs):
+    return torch.cat([model.model(input_ids=torch.tensor([s])).last_hidden_state[0] for s in seqs])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_forward_equals_separate_forwards(attn):
+    model = _tiny_llama(attn)
+    seqs = _ragged(model.config.vocab_size)
+    batch = pack([Trajectory(s, [0] * len(s)) for s in seqs])
+    with torch.no_grad():
+        packed = packed_forward(model, batch)
+        separate = _separate_hidden(model, seqs)
+    assert packed.shape == (batch.num_tokens, model.config.hidden_size)
+    assert (packed - separate).abs().max() < 1e-4
+
+
+def test_packed_backward_equals_separate_backward():
+    """Gradients too: training on a packed batch is training on the sequences."""
+    model = _tiny_llama("sdpa")
+    seqs = _ragged(model.config.vocab_size)
+    batch = pack([Trajectory(s, [0] + [1] * (len(s) - 1)) for s in seqs])
+
+    def grads(loss_fn):
+        model.zero_grad()
+        loss_fn().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def packed_loss():
+        logits = model.lm_head(packed_forward(model, batch))
+        lp = torch.log_softmax(logits, -1).gather(-1, batch.targets[:, None])[:, 0]
+        return -(lp * batch.loss_mask).sum()
+
+    def separate_loss():
+        total = 0.0
+        for s in seqs:
+            logits = model(input_ids=torch.tensor([s])).logits[0, :-1]
+            total = total - torch.log_softmax(logits, -1).gather(-1, torch.tensor(s[1:])[:, None]).sum()
+        return total
+
+    a, b = grads(packed_loss), grads(separate_loss)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-4, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_position_ids_alone_do_not_separate_sequences(attn):
+    """Why packed_forward passes a mask: a plain call with restarted
+    position_ids (use_cache at its default) lets sequences attend to each other."""
+    model = _tiny_llama(attn)
+    seqs = _ragged(model.config.vocab_size)
+    batch = pack([Trajectory(s, [0] * len(s)) for s in seqs])
+    with torch.no_grad():
+        pos_only = model.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None])
+        separate = _separate_hidden(model, seqs)
+    first = batch.seq_lens[0]
+    # The first sequence sees nothing before it, so it matches; later ones do not.
+    assert (pos_only.last_hidden_state[0, :first] - separate[:first]).abs().max() < 1e-4
+    assert (pos_only.last_hidden_state[0] - separate).abs().max() > 1e-2
+
+
+def test_eager_with_bool_mask_is_wrong():
+    """Why the eager branch converts the mask: eager adds a bool mask as 0/1."""
+    model = _tiny_llama("eager")
+    seqs = _ragged(model.config.vocab_size)
+    batch = pack([Trajectory(s, [0] * len(s)) for s in seqs])
+    with torch.no_grad():
+        wrong = model.model(
+            input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+            attention_mask=block_causal_mask(batch.cu_seqlens), use_cache=False,
+        ).last_hidden_state[0]
+        separate = _separate_hidden(model, seqs)
+    assert (wrong - separate).abs().max() > 1e-2
+
+
+def test_default_attn_implementation_on_cpu():
+    from rcgrpo.batch import default_attn_implementation
+
+    assert default_attn_implementation("cpu") == "sdpa"
+
+
+def test_unsupported_attention_is_refused():
+    model = _tiny_llama("sdpa")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="not supported"):
+        packed_forward(model, pack([Trajectory([1, 2], [0, 1])]))
+
+
+def _converted_smollm2() -> Path | None:
+    """A converted SmolLM2 folder (rcgrpo.models' cache layout), if one exists."""
+    roots = [os.environ.get("RCGRPO_CACHE"), Path.home() / ".cache" / "rcgrpo",
+             Path(__file__).resolve().parents[1] / ".cache" / "rcgrpo"]
+    for root in roots:
+        if not root:
+            continue
+        for folder in sorted((Path(root) / "models").glob("smollm2*")):
+            if (folder / "config.json").is_file() and (folder / "rcgrpo_model.json").is_file():
+                return folder
+    return None
+
+
+@pytest.mark.slow
+def test_packed_forward_equals_separate_forwards_smollm2():
+    folder = _converted_smollm2()
+    if folder is None:
+        pytest.skip("no converted SmolLM2 folder under ~/.cache/rcgrpo/models (run rcgrpo.models.ensure_embedded_model)")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa").eval()
+    seqs = _ragged(model.config.vocab_size, lens=(23, 41, 9), seed=3)
+    batch = pack([Trajectory(s, [0] * len(s)) for s in seqs])
+    with torch.no_grad():
+        packed = packed_forward(model, batch)
+        separate = _separate_hidden(model, seqs)
+    assert (packed - separate).abs().max() < 1e-4

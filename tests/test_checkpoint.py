@@ -1,0 +1,253 @@
+"""Checkpoints: exact round trip, atomicity, corruption detection and fallback."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rcgrpo.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    list_checkpoints,
+    load_latest,
+    save_checkpoint,
+    verify_checkpoint,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<|im_end|>": 1, **{f"w{i}": i + 2 for i in range(62)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>")
+
+
+def train_steps(model, opt, sched, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        ids = torch.randint(0, 64, (2, 9), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def make_run(seed=0):
+    model = tiny_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def save(root, step, model=None, **kw):
+    model = model if model is not None else tiny_model()
+    return save_checkpoint(root, step, model, **kw)
+
+
+def test_round_trip_is_exact(tmp_path):
+    model, opt, sched = make_run()
+    train_steps(model, opt, sched, 2, seed=1)
+    gen = torch.Generator().manual_seed(123)
+    random.seed(5), np.random.seed(6), torch.manual_seed(7)
+    tok = tiny_tokenizer()
+    cfg = {"grpo": {"lr": 1e-6}}
+    path = save_checkpoint(tmp_path, 2, model, tok, opt, sched, stage="rctp", data_position={"epoch": 1, "index": 4},
+                           config=cfg, extra={"note": "x"}, generators={"rollout": gen})
+    assert path.name == "ckpt-00000002" and (tmp_path / "latest").read_text().strip() == path.name
+    expected_draws = (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=gen).item())
+    expected_state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    # Continue the original for reference, then restore into fresh objects.
+    train_steps(model, opt, sched, 1, seed=2)
+    reference_after = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model2, opt2, sched2 = make_run(seed=99)
+    gen2 = torch.Generator()
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    ck = load_latest(tmp_path)
+    assert (ck.step, ck.stage, ck.data_position, ck.extra, ck.config) == (2, "rctp", {"epoch": 1, "index": 4},
+                                                                           {"note": "x"}, cfg)
+    ck.restore(model2, opt2, sched2, generators={"rollout": gen2})
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected_state[k]), k
+    assert model2.lm_head.weight.data_ptr() == model2.model.embed_tokens.weight.data_ptr()  # still tied
+    draws = (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=gen2).item())
+    assert draws == expected_draws
+    assert sched2.state_dict()["last_epoch"] == 2
+    train_steps(model2, opt2, sched2, 1, seed=2)  # same step as the reference: optimizer state was exact
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, reference_after[k]), k
+
+
+def test_model_folder_loads_with_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = tiny_model()
+    path = save_checkpoint(tmp_path, 0, model, tiny_tokenizer())
+    loaded = AutoModelForCausalLM.from_pretrained(str(path / "model"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    assert (path / "model" / "model.safetensors").is_file()
+    assert AutoTokenizer.from_pretrained(str(path / "model")).convert_tokens_to_ids("w3") == 5
+
+
+@pytest.fixture
+def three(tmp_path):
+    model = tiny_model()
+    for step in (10, 20, 30):
+        save(tmp_path, step, model)
+    return tmp_path
+
+
+def _load_warned(root):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ck = load_latest(root)
+    return ck, [str(x.message) for x in w if issubclass(x.category, CheckpointWarning)]
+
+
+def test_truncated_weights_fall_back(three):
+    st = three / "ckpt-00000030" / "model" / "model.safetensors"
+    with open(st, "r+b") as f:
+        f.truncate(st.stat().st_size // 2)
+    ck, msgs = _load_warned(three)
+    assert ck.step == 20
+    assert len(msgs) == 1 and str(st) in msgs[0] and "truncated" in msgs[0]
+
+
+def test_flipped_byte_falls_back(three):
+    st = three / "ckpt-00000030" / "state.json"
+    data = bytearray(st.read_bytes())
+    data[-2] ^= 1
+    st.write_bytes(bytes(data))
+    ck, msgs = _load_warned(three)
+    assert ck.step == 20 and "sha256" in msgs[0] and str(st) in msgs[0]
+
+
+def test_missing_manifest_falls_back(three):
+    (three / "ckpt-00000030" / "MANIFEST.json").unlink()
+    ck, msgs = _load_warned(three)
+    assert ck.step == 20 and "MANIFEST.json is missing" in msgs[0]
+
+
+def test_leftover_tmp_is_reported_and_ignored(three):
+    (three / "ckpt-00000040.tmp" / "model").mkdir(parents=True)
+    ck, msgs = _load_warned(three)
+    assert ck.step == 30
+    assert any("ckpt-00000040.tmp" in m and "interrupted" in m for m in msgs)
+    save(three, 40)  # the next save clears it
+    assert not (three / "ckpt-00000040.tmp").exists() and load_latest(three).step == 40
+
+
+def test_nothing_usable_is_an_error(three):
+    for p in list_checkpoints(three):
+        (p / "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match="no usable checkpoint"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_latest(three)
+
+
+def test_empty_or_absent_root(tmp_path):
+    assert load_latest(tmp_path / "none") is None
+    assert load_latest(tmp_path) is None
+
+
+def test_failed_save_loses_nothing(three):
+    before = {p.name: json.loads((p / "MANIFEST.json").read_text()) for p in list_checkpoints(three)}
+
+    class Exploding(torch.optim.SGD):
+        def state_dict(self):
+            raise RuntimeError("disk full")
+
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint(three, 40, model, optimizer=Exploding(model.parameters(), lr=0.1))
+    assert not (three / "ckpt-00000040.tmp").exists() and not (three / "ckpt-00000040").exists()
+    assert (three / "latest").read_text().strip() == "ckpt-00000030"
+    after = {p.name: json.loads((p / "MANIFEST.json").read_text()) for p in list_checkpoints(three)}
+    assert after == before
+    for p in list_checkpoints(three):
+        verify_checkpoint(p)
+
+
+def test_keep_last_and_resave(tmp_path):
+    model = tiny_model()
+    for step in range(5):
+        save(tmp_path, step, model, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000003", "ckpt-00000004"]
+    save(tmp_path, 4, model, keep_last=2, extra={"again": True})  # same step: replaced
+    assert load_latest(tmp_path).extra == {"again": True}
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000003", "ckpt-00000004"]
+
+
+def test_non_json_metadata_is_refused_before_writing(tmp_path):
+    with pytest.raises(TypeError):
+        save(tmp_path, 1, data_position={1, 2})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_restore_missing_part_is_clear(tmp_path):
+    save(tmp_path, 1)
+    model, opt, _ = make_run()
+    with pytest.raises(CheckpointError, match="optimizer.pt is missing"):
+        load_latest(tmp_path).restore(optimizer=opt)
+
+
+@pytest.mark.slow
+def test_kill_during_saves_leaves_a_loadable_checkpoint(tmp_path):
+    """SIGKILL a process that saves in a loop; the survivor always loads."""
+    child = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.test_checkpoint import tiny_model
+        from rcgrpo.checkpoint import save_checkpoint
+        model = tiny_model()
+        opt = torch.optim.AdamW(model.parameters())
+        step = 0
+        while True:
+            save_checkpoint({str(tmp_path)!r}, step, model, optimizer=opt, keep_last=2)
+            print(step, flush=True)
+            step += 1
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        for _ in range(3):  # a few complete saves, then kill at an arbitrary moment
+            assert proc.stdout.readline(), "child died"
+        time.sleep(random.Random(0).uniform(0.0, 0.05))
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck = load_latest(tmp_path)
+    assert ck is not None and ck.step >= 2
+    verify_checkpoint(ck.path)

@@ -1,0 +1,183 @@
+"""Config: layering (defaults <- preset <- TOML <- CLI), validation, round trip."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+
+from rcgrpo import config as C
+from rcgrpo.config import Config, ConfigError, parse_args
+
+
+def test_defaults_are_the_papers_numbers():
+    cfg = parse_args(["--preset", "none"])
+    assert (cfg.rctp.lr, cfg.rctp.batch_size, cfg.rctp.epochs) == (1e-5, 16, 5)
+    assert (cfg.sft.lr, cfg.sft.batch_size, cfg.sft.epochs) == (1e-5, 16, 2)
+    g = cfg.grpo
+    assert (g.lr, g.group_size, g.beta, g.eps_low, g.eps_high, g.p_high, g.steps) == (1e-6, 5, 0.1, 0.2, 0.2, 0.5, 400)
+    assert g.batch_size == 256  # rc-grpo row of the paper's table
+    assert parse_args(["--preset", "none", "--pipeline", "rctp+grpo"]).grpo.batch_size == 64
+    assert cfg.run.pipeline == "rctp+rc-grpo" and cfg.run.out_dir == "runs" and not cfg.run.fused
+    assert cfg.run.name == "rctp_rc-grpo" and str(cfg.run_dir) == "runs/rctp_rc-grpo"
+
+
+def test_embedded_default_gets_the_cpu_preset_and_named_models_do_not(tmp_path):
+    assert parse_args([]).preset == "cpu-small"
+    assert parse_args(["--fused"]).grpo.steps == C.PRESETS["cpu-small"]["grpo.steps"]
+    assert parse_args(["--model", "owner/name"], check_files=False).preset is None
+    assert parse_args(["--model", "owner/name"], check_files=False).grpo.batch_size == 256
+    assert parse_args(["--preset", "none"]).preset is None
+
+
+def test_pipeline_views():
+    cfg = parse_args([])
+    assert cfg.stages == ["rctp-data", "rctp", "rc-grpo", "eval"]
+    assert (cfg.finetune_stage, cfg.rl_stage, cfg.reward_conditioned) == ("rctp", "rc-grpo", True)
+    assert cfg.eval.conditioning == "high"
+    sg = parse_args(["--pipeline", "sft+grpo", "--stages", "eval,sft"])
+    assert sg.stages == ["sft", "eval"]  # pipeline order, whatever the flag order
+    assert (sg.finetune_stage, sg.rl_stage, sg.reward_conditioned) == ("sft", "grpo", False)
+    assert sg.eval.conditioning == "none"
+    assert parse_args(["--pipeline", "sft+rc-grpo"]).eval.conditioning == "high"
+
+
+def test_layers_later_wins(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('preset = "cpu-small"\n[grpo]\nlr = 3e-6\nsteps = 7\n[model.lora]\nr = 4\n')
+    cfg = parse_args(["--config", str(f), "--grpo.steps", "9", "--fused", "--name", "x"])
+    assert cfg.preset == "cpu-small"
+    assert cfg.data.train_subset == 8  # from the preset
+    assert cfg.grpo.lr == 3e-6  # file over preset/defaults
+    assert cfg.grpo.steps == 9  # CLI over file
+    assert cfg.model.lora.r == 4
+    assert cfg.run.fused and cfg.run.name == "x"
+    # A CLI preset replaces the file's.
+    assert parse_args(["--config", str(f), "--preset", "paper-qwen7b"], check_files=False).preset == "paper-qwen7b"
+
+
+def test_cli_forms():
+    cfg = parse_args(["--grpo.lr=2e-6", "--run.fused", "--no-run.tensorboard", "--resume", "--data.train_subset", "none",
+                      "--eval.categories", "base, miss_func", "--model.lora.dropout", "0"])
+    assert cfg.grpo.lr == 2e-6 and cfg.run.fused and not cfg.run.tensorboard and cfg.run.resume
+    assert cfg.data.train_subset is None and cfg.eval.categories == ["base", "miss_func"]
+    assert cfg.model.lora.dropout == 0.0
+    assert not parse_args(["--fused", "false"]).run.fused
+    assert not parse_args(["--no-fused"]).run.fused
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--grpo.lrr", "1"], "did you mean 'grpo.lr'"),
+        (["--grpo.G", "3"], "did you mean 'grpo.group_size'"),
+        (["--lr", "1"], "'rctp.lr' or 'sft.lr' or 'grpo.lr'"),
+        (["--fuse"], "did you mean 'fused'"),
+        (["--grpo.lr", "fast"], "grpo.lr: expected float, got 'fast'"),
+        (["--grpo.group_size", "2.5"], "grpo.group_size: expected int"),
+        (["--run.fused", "maybe"], "run.fused: expected bool"),
+        (["--grpo.lr"], "--grpo.lr needs a value"),
+        (["--grpo.lr", "0"], "grpo.lr must be > 0"),
+        (["--rctp.lr", "-1e-5"], "rctp.lr must be > 0"),
+        (["--grpo.group_size", "1"], "grpo.group_size must be >= 2"),
+        (["--grpo.p_high", "1.5"], "grpo.p_high must be in [0, 1]"),
+        (["--grpo.eps_low", "-0.1"], "grpo.eps_low must be in [0, 1)"),
+        (["--grpo.eps_high", "-0.1"], "grpo.eps_high must be >= 0"),
+        (["--grpo.beta", "-1"], "grpo.beta must be >= 0"),
+        (["--grpo.loss_type", "ppo"], "grpo.loss_type must be one of"),
+        (["--grpo.temperature", "0"], "grpo.temperature must be > 0"),
+        (["--pipeline", "rctp+ppo"], "did you mean 'rctp+grpo'"),
+        (["--stages", "sft"], "not in pipeline rctp+rc-grpo"),
+        (["--data.categories", "base,web"], "unknown categories ['web']"),
+        (["--name", "a/b"], "run.name must be a plain folder name"),
+        (["--model.dtype", "fp8"], "model.dtype must be one of"),
+        (["--model", "./no/such/folder"], "model folder ./no/such/folder does not exist"),
+        (["--model", "embedded:gpt5"], "unknown embedded model"),
+        (["--config", "/no/such.toml"], "config file /no/such.toml does not exist"),
+        (["--rctp.data_file", "/no/such.jsonl"], "rctp.data_file: /no/such.jsonl does not exist"),
+        (["--preset", "gpu-huge"], "unknown setting 'gpu-huge'"),
+        (["positional"], "unexpected argument 'positional'"),
+        (["--model.lora.dropout", "1"], "model.lora.dropout must be in [0, 1)"),
+        (["--data.max_prompt_tokens", "9000"], "must exceed data.max_prompt_tokens"),
+    ],
+)
+def test_errors_name_the_setting(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert needle in str(e.value)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--grpo.lr", "0", "--sft.epochs", "0", "--grpo.p_high", "-1"])
+    assert len(e.value.problems) == 3 and "3 problems" in str(e.value)
+
+
+def test_lora_needs_peft(monkeypatch):
+    real = C.importlib.util.find_spec
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda n, *a: None if n == "peft" else real(n, *a))
+    with pytest.raises(ConfigError, match="pip install peft"):
+        parse_args(["--model.lora.enabled"])
+    parse_args(["--model.lora.r", "8"])  # disabled: options validated, peft not needed
+
+
+@pytest.mark.parametrize(
+    "toml, needle",
+    [
+        ("[grpo]\nlr = 'fast'\n", "grpo.lr (in "),
+        ("[grpo]\nlr = true\n", "expected float, got bool"),
+        ("[grpo]\ngroup_size = 5.0\n", "expected int, got float"),
+        ("[gpro]\nlr = 1e-6\n", "did you mean 'grpo'"),
+        ("[grpo]\nkl_coef = 0.1\n", "did you mean 'grpo.beta'"),
+        ("[grpo\nlr = 1\n", "is not valid TOML"),
+        ("[run]\nstages = 'rctp'\n", "expected list of str"),
+    ],
+)
+def test_file_errors(tmp_path, toml, needle):
+    f = tmp_path / "bad.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", str(f)])
+    assert needle in str(e.value)
+
+
+def test_model_folder_checked(tmp_path):
+    with pytest.raises(ConfigError, match="has no config.json"):
+        parse_args(["--model", str(tmp_path)])
+    (tmp_path / "config.json").write_text("{}")
+    assert parse_args(["--model", str(tmp_path)]).model.name_or_path == str(tmp_path)
+    assert parse_args(["--model", "Qwen/Qwen2.5-7B-Instruct"]).model.name_or_path  # a hub id is not a path
+
+
+def test_save_round_trip(tmp_path):
+    cfg = parse_args(["--preset", "cpu-small", "--grpo.lr", "3.5e-7", "--run.stages", "rctp,rc-grpo",
+                      "--eval.subset", "none", "--name", "rt"])
+    path = cfg.save(tmp_path)
+    assert path.name == "config.toml" and (tmp_path / "config.json").is_file()
+    tomllib.loads(path.read_text())  # valid TOML
+    again = C.load_config(path)
+    assert again.to_dict() == cfg.to_dict()
+    assert Config.from_dict(json.loads((tmp_path / "config.json").read_text())).to_dict() == cfg.to_dict()
+
+
+def test_help_lists_every_setting(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for key in C.all_keys():
+        assert f"--{key} " in out
+
+
+def test_constants_match_the_modules_they_mirror():
+    packing = pytest.importorskip("kernels.packing")
+    assert tuple(C.LOSS_TYPES) == tuple(packing.LOSS_TYPES)
+    models = pytest.importorskip("rcgrpo.models")
+    assert C.EMBEDDED_MODEL == models.EMBEDDED
+
+
+def test_every_preset_is_valid():
+    for name in C.PRESETS:
+        cfg = parse_args(["--preset", name], check_files=False)
+        assert cfg.preset == name

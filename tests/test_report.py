@@ -1,0 +1,89 @@
+"""rcgrpo.report: plots and markdown from a synthetic run folder."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from rcgrpo.metrics import MetricsLogger
+from rcgrpo.report import ReportError, eval_table_markdown, main, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_run(run_dir, with_eval=True):
+    rnd = random.Random(0)
+    with MetricsLogger(run_dir, stage="rctp", tensorboard=False) as log:
+        for s in range(1, 11):
+            log.log(s, loss=2.0 / s, lr=1e-5, grad_norm=1 + rnd.random())
+    with MetricsLogger(run_dir, stage="rc-grpo", tensorboard=False) as log:
+        for s in range(1, 41):
+            hi, lo = min(1, 0.2 + s / 50 + 0.1 * rnd.random()), 0.1 * rnd.random()
+            log.log(s, reward_mean=(hi + lo) / 2, reward_mean_high=hi, reward_mean_low=lo,
+                    zero_var_frac=0.6 * math.exp(-s / 15), entropy=1.5 - s / 40, kl=0.001 * s,
+                    clip_frac=0.02, adv_std=0.8, tokens_per_s=500 + rnd.random() * 50)
+    (run_dir / "config.json").write_text(json.dumps({"run": {"pipeline": "rctp+rc-grpo"}}))
+    if with_eval:
+        (run_dir / "eval.json").write_text(json.dumps({
+            "categories": {"base": 0.5, "miss_func": 0.25, "miss_param": 0.0, "long_context": 1 / 23},
+            "overall": 0.2, "n": {"base": 2, "miss_func": 4, "miss_param": 1, "long_context": 23}}))
+
+
+def test_report_writes_valid_pngs_and_markdown(tmp_path):
+    from PIL import Image
+
+    synthetic_run(tmp_path)
+    assert main([str(tmp_path)]) == 0
+    for name in ("reward", "zero_var_frac", "entropy", "kl", "overview"):
+        png = tmp_path / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        with Image.open(png) as im:
+            im.verify()
+        with Image.open(png) as im:
+            assert im.size[0] > 300 and im.size[1] > 200
+            # Not a blank canvas: lines were drawn.
+            assert len(im.convert("L").getcolors(maxcolors=1 << 16)) > 10
+    md = (tmp_path / "report.md").read_text()
+    assert "| method | base | miss_func | miss_param | long_context | overall |" in md
+    assert "| RCTP + RC-GRPO | 50.00 | 25.00 | 0.00 | 4.35 | 20.00 |" in md
+    assert "![reward](reward.png)" in md and "### rc-grpo: 40 records, steps 1-40" in md
+
+
+def test_report_without_eval_or_rl_metrics(tmp_path):
+    with MetricsLogger(tmp_path, stage="sft", tensorboard=False) as log:
+        for s in (1, 2):
+            log.log(s, loss=1.0 / s)
+    out = write_report(tmp_path)
+    assert "No eval.json" in out.read_text()
+    assert (tmp_path / "overview.png").is_file() and not (tmp_path / "reward.png").exists()
+
+
+def test_eval_table_accepts_percent_and_several_rows():
+    table = eval_table_markdown([
+        {"method": "base model", "categories": {"base": 11.25}, "overall": 11.25},
+        {"method": "RCTP + RC-GRPO", "categories": {"base": 0.85, "miss_func": 0.8}, "overall": 0.85},
+    ])
+    assert "| base model | 11.25 | - | - | - | 11.25 |" in table
+    assert "| RCTP + RC-GRPO | 85.00 | 80.00 | - | - | 85.00 |" in table
+
+
+@pytest.mark.parametrize(
+    "setup, needle",
+    [
+        (lambda d: None, "no metrics file"),
+        (lambda d: (d / "metrics.jsonl").write_text(""), "no metric records"),
+        (lambda d: (d / "metrics.jsonl").write_text('{"step": 1}\n{oops\n{"step": 2}\n'), "metrics.jsonl:2"),
+        (lambda d: ((d / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n'),
+                    (d / "eval.json").write_text("{")), "eval.json is not readable JSON"),
+    ],
+)
+def test_clear_errors(tmp_path, capsys, setup, needle):
+    setup(tmp_path)
+    with pytest.raises(ReportError, match=needle):
+        write_report(tmp_path)
+    assert main([str(tmp_path)]) == 2
+    assert needle.split(":")[0] in capsys.readouterr().err
+    assert main([str(tmp_path / "missing")]) == 2
