@@ -411,7 +411,7 @@ def packed_forward(model, batch: PackedBatch) -> torch.Tensor:
             max_length_q=batch.max_seqlen,
             max_length_k=batch.max_seqlen,
         )
-    elif batch.num_seqs == 1:
+    elif impl in ("sdpa", "eager") and batch.num_seqs == 1:
         # One sequence needs no block mask: plain causal attention lets SDPA
         # use its fused kernel instead of materialising [heads, N, N] scores
         # for every layer (10 GB for 3k tokens x 30 layers in training).

@@ -11,7 +11,6 @@ This file only orchestrates: every stage lives in its own module.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -56,8 +55,7 @@ def training_entries(cfg: Config, tokenizer) -> list:
 
 
 def run(cfg: Config) -> int:
-    from rcgrpo.data.rctp import build_rctp, load_records, save_records, summary
-    from rcgrpo.data.expert import expert_turns  # noqa: F401  (fails early if bfcl is missing)
+    from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
     from rcgrpo.evaluate import evaluate, select_entries, write_eval
     from rcgrpo.metrics import log_line
     from rcgrpo.models import load_policy, load_tokenizer, resolve_model_folder
@@ -115,8 +113,6 @@ def run(cfg: Config) -> int:
             if stage == "rctp":
                 trajectories = [r.trajectory() for r in load_records(data_path)]
             else:
-                from rcgrpo.data.rctp import expert_records
-
                 trajectories = [r.trajectory() for r in expert_records(entries, tokenizer, rollout_cfg, tagged=False)]
             section = cfg.rctp if stage == "rctp" else cfg.sft
             finetune(ctx, stage, policy.model, trajectories, section)
@@ -140,7 +136,7 @@ def run(cfg: Config) -> int:
             result = evaluate(engine, tokenizer, test, cfg.eval.conditioning, cfg.eval.greedy,
                               cfg.eval.max_new_tokens, cfg.grpo.max_total_tokens, cfg.grpo.temperature,
                               cfg.data.seed, cfg.data.doc_style)
-            json_path, md_path = write_eval(result, ctx.run_dir, cfg.run.pipeline)
+            _, md_path = write_eval(result, ctx.run_dir, cfg.run.pipeline)
             print(md_path.read_text())
     report = write_report(ctx.run_dir)
     print(f"report: {report}\nplots: {', '.join(str(p) for p in sorted(ctx.run_dir.glob('*.png')))}")

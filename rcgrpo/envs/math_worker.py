@@ -9,7 +9,6 @@ both ends are this module, and the payload holds only decoded literals.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import select
 import struct

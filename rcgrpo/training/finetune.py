@@ -7,7 +7,6 @@ import random
 import time
 from typing import Sequence
 
-import torch
 
 from rcgrpo.batch import Trajectory, pack, pack_micro_batches
 from rcgrpo.metrics import progress

@@ -15,12 +15,9 @@ import time
 from collections import defaultdict
 from typing import Sequence
 
-import torch
-
 import kernels
-from rcgrpo.batch import Trajectory, pack, pack_micro_batches
-from rcgrpo.batch import accumulation_weight
-from rcgrpo.metrics import log_line, progress
+from rcgrpo.batch import PackedBatch, Trajectory, accumulation_weight, pack, pack_micro_batches
+from rcgrpo.metrics import progress
 from rcgrpo.models import HIGH_REWARD
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
@@ -46,7 +43,7 @@ def conditioning(stage: str, reward_conditioned_policy: bool, n: int):
     return [HIGH_REWARD] * n if reward_conditioned_policy else None
 
 
-def group_stats(rollouts, group_size: int) -> dict[str, float]:
+def group_stats(rollouts) -> dict[str, float]:
     """Reward summaries, overall and per reward token, and the share of groups
     whose rewards are all equal (zero advantage: no gradient)."""
     by_group: dict[int, list[float]] = defaultdict(list)
@@ -78,7 +75,7 @@ def to_trajectories(rollouts) -> list[Trajectory]:
 
 
 def rl_update(ctx: RunContext, model, ref_model, trajectories: Sequence[Trajectory], settings: RLLossSettings,
-              advantage_scale: str) -> tuple[dict[str, float], "kernels_batch"]:
+              advantage_scale: str) -> tuple[dict[str, float], PackedBatch]:
     """Loss + backward over token-balanced micro-batches of one rollout batch."""
     fused = ctx.cfg.run.fused
     full = pack(trajectories).to(ctx.device)
@@ -136,7 +133,7 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
             generated = sum(sum(r.loss_mask) for r in rollouts)
             last = log.log(
                 step + 1,
-                **group_stats(rollouts, g.group_size), **stats, grad_norm=grad_norm,
+                **group_stats(rollouts), **stats, grad_norm=grad_norm,
                 lr=scheduler.get_last_lr()[0], rollout_s=t1 - t0, update_s=t2 - t1,
                 tokens_per_s=full.num_tokens / max(t2 - t1, 1e-9), generated_tokens_per_s=generated / max(t1 - t0, 1e-9),
             )
