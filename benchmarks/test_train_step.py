@@ -2,9 +2,9 @@
 batch of the small model: `--fused` (chunked fused-linear loss on CPU) vs the
 reference path (full logits), time and peak memory, as ratios in one run.
 
-The batch is real BFCL data: one group of expert and perturbed-expert
-trajectories of two training entries, played through the agent loop and
-labelled by the environment (rewards differ, so advantages are non-zero).
+The batch is real BFCL data: one group of an expert and a perturbed-expert
+trajectory of a training entry, played through the agent loop and labelled
+by the environment (rewards differ, so advantages are non-zero).
 Peak memory is the max RSS of a fresh process that runs one update on one
 path (ru_maxrss), so the paths cannot share allocator caches.
 
@@ -20,7 +20,7 @@ import pytest
 STEP_SCRIPT = r"""
 import dataclasses, json, resource, sys, time, torch
 import kernels
-from rcgrpo.batch import pack
+from rcgrpo.batch import accumulation_weight, pack_micro_batches
 from rcgrpo.models import load_policy
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss
 from benchmarks.test_train_step import fixed_batch
@@ -32,16 +32,23 @@ batch = dataclasses.replace(batch, ref_logp=reference_logprobs(policy.model, bat
 opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-loss, _ = rl_loss(policy.model, batch, RLLossSettings(beta=0.1), fused=fused)
-loss.backward(); opt.step()
-print(json.dumps({"seconds": time.perf_counter() - t0, "loss": float(loss),
+total = 0.0
+# As the trainer does: token-balanced micro-batches (one sequence each here;
+# an N x N block mask over several 3k-token sequences does not fit on CPU).
+for micro in pack_micro_batches(batch, 4096):
+    loss, _ = rl_loss(policy.model, micro, RLLossSettings(beta=0.1), fused=fused)
+    weight = accumulation_weight(micro, batch, "grpo")
+    (loss * weight).backward()
+    total += float(loss) * weight
+opt.step()
+print(json.dumps({"seconds": time.perf_counter() - t0, "loss": total,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "before_mb": base / 1024, "tokens": batch.num_tokens}))
 """
 
 
 def fixed_batch(tokenizer):
-    """Expert + perturbed trajectories of two short base entries (one group each)."""
+    """Expert + perturbed trajectories of one base entry (one group)."""
     from rcgrpo.batch import Trajectory, pack
     from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, script_from_turns
     from rcgrpo.envs.bfcl import load_entries, split_train_test
@@ -50,7 +57,7 @@ def fixed_batch(tokenizer):
     train, _ = split_train_test(load_entries(["base"]))
     cfg = RolloutConfig(max_new_tokens=1024, max_total_tokens=6144, doc_style="compact_no_response", progress=False)
     trajs = []
-    for group, entry in enumerate(train[:2]):
+    for group, entry in enumerate(train[:1]):
         for turns in (expert_turns(entry), perturbed_turns(entry, "dropped", 0)):
             r = play_script(entry, tokenizer, script_from_turns(turns), cfg)
             trajs.append(Trajectory(r.token_ids, r.loss_mask, group=group, reward=r.reward))

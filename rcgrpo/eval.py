@@ -7,6 +7,11 @@
       {"line", "id", "error"} for a line that could not be scored.
   --ground-truth                         replay every ground truth and print
       per-category and overall accuracy.
+  --model PATH                           evaluate a policy (a run's models/<stage>
+      folder, any HF folder, or "embedded:smollm2-135m-instruct"): one greedy
+      rollout per entry of the test split (or --split train, --subset N per
+      category), conditioned on <|high_reward|> by default; prints the table and
+      writes eval.json / eval.md into --out (default: runs/eval/<model name>).
 """
 from __future__ import annotations
 
@@ -83,13 +88,48 @@ def print_table(table: dict[str, float], counts: dict[str, int]) -> None:
             print(f"{name:<14} {counts.get(name, sum(counts.values())):>7} {100 * table[name]:>8.2f}%")
 
 
+def evaluate_model(args) -> int:
+    """--model: greedy rollouts of the policy on the chosen split, official verdicts."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from rcgrpo.evaluate import evaluate, select_entries, write_eval
+    from rcgrpo.models import load_tokenizer, resolve_model_folder
+    from rcgrpo.rollout import make_engine
+
+    folder = resolve_model_folder(args.model)
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
+    unknown = sorted(set(categories) - set(CATEGORIES))
+    if unknown:
+        raise SystemExit(f"unknown categories {unknown}; choose from {CATEGORIES}")
+    entries = select_entries(args.split, categories, args.subset)
+    kwargs = {} if args.engine == "hf" else {"max_model_len": args.max_total_tokens}
+    engine = make_engine(args.engine, folder, **kwargs)
+    result = evaluate(engine, load_tokenizer(folder), entries, args.conditioning, greedy=True,
+                      max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
+                      doc_style=args.doc_style)
+    out = args.out or Path("runs") / "eval" / "".join(c if c.isalnum() or c in "-_." else "_" for c in str(args.model))
+    _, md_path = write_eval(result, out, str(args.model))
+    print(md_path.read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rcgrpo.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--replay", type=Path, metavar="FILE.jsonl")
     mode.add_argument("--ground-truth", action="store_true")
-    parser.add_argument("--out", type=Path, metavar="OUT.jsonl")
+    mode.add_argument("--model", metavar="PATH")
+    parser.add_argument("--out", type=Path, metavar="OUT", help="--replay: output JSONL; --model: output folder")
+    parser.add_argument("--split", choices=["test", "train"], default="test")
+    parser.add_argument("--subset", type=int, default=None, help="first N entries of each category")
+    parser.add_argument("--categories", default=",".join(CATEGORIES))
+    parser.add_argument("--conditioning", choices=["high", "low", "none"], default="high")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-total-tokens", type=int, default=8192)
+    parser.add_argument("--doc-style", default="compact", choices=["compact", "compact_no_response", "official"])
+    parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
     parser.add_argument("--positional", choices=["drop", "bind"], default="drop",
                         help="drop positional arguments as the official decoder does (default), or bind them")
     args = parser.parse_args(argv)
@@ -100,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             scored, errors = score_replay_file(args.replay, args.out, args.positional)
             print(f"scored {scored} entries, {errors} error lines -> {args.out}")
             return 0
+        if args.model:
+            return evaluate_model(args)
         entries = load_entries()
         rows, counts = [], defaultdict(int)
         for entry in tqdm(entries, desc="ground truth", unit="entry"):

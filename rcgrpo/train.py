@@ -54,6 +54,19 @@ def training_entries(cfg: Config, tokenizer) -> list:
     return fitting
 
 
+def claim_fresh_run_dir(cfg: Config) -> None:
+    """A new run never writes into an existing run's folder: it takes the
+    first free `<name>-2`, `<name>-3`, ... (`--resume` continues the named one)."""
+    from rcgrpo.metrics import log_line
+
+    base, k = cfg.run.name, 1
+    while cfg.run_dir.exists() and any(cfg.run_dir.iterdir()):
+        k += 1
+        cfg.run.name = f"{base}-{k}"
+    if k > 1:
+        log_line(f"runs/{base} exists: this run uses {cfg.run_dir} (pass --resume to continue {base})")
+
+
 def run(cfg: Config) -> int:
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
     from rcgrpo.evaluate import evaluate, select_entries, write_eval
@@ -67,6 +80,8 @@ def run(cfg: Config) -> int:
     from rcgrpo.training.grpo import train_rl
 
     seed_everything(cfg.data.seed)
+    if not cfg.run.resume:
+        claim_fresh_run_dir(cfg)
     device = pick_device(cfg.run.device)
     dtype = getattr(torch, cfg.model.dtype)
     base = resolve_model_folder(cfg.model.name_or_path)

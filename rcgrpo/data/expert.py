@@ -6,6 +6,7 @@ environment executes them, and the reward function labels the result.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -98,8 +99,6 @@ def _wrong(value):
 def perturbed_turns(entry, kind: str, seed: int) -> list[list[str]] | None:
     """Ground truth with one mistake: a dropped call, or one argument value
     changed. None when the entry has no call to perturb."""
-    import random
-
     calls = [list(turn) for turn in ground_truth(entry).calls]
     spots = [(t, i) for t, turn in enumerate(calls) for i in range(len(turn))]
     if kind == "wrong_value":

@@ -82,7 +82,10 @@ def rl_update(ctx: RunContext, model, ref_model, trajectories: Sequence[Trajecto
     advantages = kernels.group_advantages(full.rewards, full.seq_group, scale=advantage_scale)
     full = dataclasses.replace(full, advantages=advantages, old_logp=None)
     sums: dict[str, float] = defaultdict(float)
-    for micro in pack_micro_batches(full, ctx.cfg.run.micro_batch_tokens):
+    # Micro-batches without a generated token (e.g. every rollout's prompt
+    # was too long) carry no loss: skip their forward passes.
+    micros = [m for m in pack_micro_batches(full, ctx.cfg.run.micro_batch_tokens) if m.num_loss_tokens]
+    for micro in micros:
         if settings.beta > 0:
             micro = dataclasses.replace(
                 micro, ref_logp=reference_logprobs(ref_model, micro, fused, settings.temperature))
@@ -117,7 +120,7 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
             rollout_cfg = RolloutConfig(
                 max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
                 temperature=g.temperature, top_p=g.top_p, seed=ctx.cfg.data.seed * 100_003 + step,
-                p_high=g.p_high, progress=False,
+                p_high=g.p_high, doc_style=ctx.cfg.data.doc_style, progress=False,
             )
             t0 = time.perf_counter()
             model.eval()

@@ -9,8 +9,13 @@ def model_dir():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_dir):
-    return load_policy(model_dir).tokenizer
+def policy(model_dir):
+    return load_policy(model_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(policy):
+    return policy.tokenizer
 
 
 def chat_record(tokenizer, user: str, reply: str, token: str | None, reward: float, entry_id="tiny"):

@@ -1,0 +1,53 @@
+"""RCTP data: every trajectory labelled by the environment, tagged to match,
+1:1 expert:failure, saved and reloaded exactly. (Here to share the vLLM engine.)"""
+import pytest
+
+from rcgrpo.data.rctp import build_rctp, load_records, save_records, summary
+from rcgrpo.envs.bfcl import load_entries, split_train_test
+from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
+from rcgrpo.rollout.agent_loop import RolloutConfig
+
+CFG = RolloutConfig(max_new_tokens=12, max_total_tokens=6144, doc_style="compact_no_response", progress=False)
+
+
+@pytest.fixture(scope="module")
+def base_entries():
+    train, _ = split_train_test(load_entries(["base"]))
+    return train[:3]
+
+
+def test_rctp_records_are_labelled_tagged_and_balanced(vllm_engine, tokenizer, base_entries, tmp_path):
+    # failures come from real rollouts of the starting model (the shared vLLM engine)
+    records = build_rctp(vllm_engine, base_entries, tokenizer, CFG, failure_ratio=1.0, attempts=1,
+                         fill_with_perturbed=True, seed=0)
+    kinds = summary(records)
+    assert kinds["total"] == 6 and kinds["expert_high"] == 3
+    assert kinds.get("failure_low", 0) + kinds.get("perturbed_low", 0) + kinds.get("perturbed_high", 0) == 3
+    ids = reward_token_ids(tokenizer)
+    for r in records:
+        assert r.reward_token == (HIGH_REWARD if r.reward == 1.0 else LOW_REWARD)  # label from the reward
+        prompt = r.token_ids[: r.loss_mask.index(1)]
+        assert prompt.count(ids[r.reward_token]) == 1
+        assert len(r.token_ids) == len(r.loss_mask) and sum(r.loss_mask) > 0
+    path = save_records(records, tmp_path / "rctp.jsonl")
+    assert load_records(path) == records
+
+
+def test_perturbed_experts_fill_missing_failures(tokenizer, base_entries):
+    # With no rollout attempts no failure is collected: perturbed experts
+    # fill the quota, each labelled by executing it.
+    records = build_rctp(None, base_entries, tokenizer, CFG, failure_ratio=1.0, attempts=0,
+                         fill_with_perturbed=True, seed=0)
+    perturbed = [r for r in records if r.kind == "perturbed"]
+    assert len(perturbed) == 3
+    assert all(r.reward in (0.0, 1.0) for r in perturbed)
+    assert any(r.reward == 0.0 for r in perturbed)
+
+
+def test_malformed_rctp_file_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"entry_id": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_records(bad)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_records(tmp_path / "absent.jsonl")
