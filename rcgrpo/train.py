@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 import numpy as np
 import torch
 
-from rcgrpo.config import Config, ConfigError, parse_args
+from rcgrpo.config import PIPELINES, Config, ConfigError, parse_args
 
 
 def pick_device(name: str) -> torch.device:
@@ -108,7 +108,13 @@ def run(cfg: Config) -> int:
                                 temperature=cfg.rctp.failure_temperature, seed=cfg.data.seed,
                                 doc_style=cfg.data.doc_style, progress=True)
 
-    for stage in cfg.stages:
+    for stage in PIPELINES[cfg.run.pipeline]:
+        if stage not in cfg.stages:
+            # A stage left out of --stages still hands on its policy if an
+            # earlier invocation of this run finished it.
+            if stage not in ("rctp-data", "eval") and ctx.stage_done(stage):
+                current = ctx.stage_model_dir(stage)
+            continue
         if stage != "eval" and ctx.stage_done(stage):
             log_line(f"[{stage}] already done, skipped")
             if stage != "rctp-data":
@@ -126,7 +132,8 @@ def run(cfg: Config) -> int:
         elif stage in ("rctp", "sft"):
             policy = load_policy(current, dtype=dtype, device=device)
             if stage == "rctp":
-                trajectories = [r.trajectory() for r in load_records(data_path)]
+                source = data_path if data_path.exists() or not cfg.rctp.data_file else cfg.rctp.data_file
+                trajectories = [r.trajectory() for r in load_records(source)]
             else:
                 trajectories = [r.trajectory() for r in expert_records(entries, tokenizer, rollout_cfg, tagged=False)]
             section = cfg.rctp if stage == "rctp" else cfg.sft
