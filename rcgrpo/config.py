@@ -121,28 +121,28 @@ class DataConfig:
 
 
 @dataclass
-class RctpConfig:
-    lr: float = _f(1e-5, "learning rate (paper)")
-    batch_size: int = _f(16, "trajectories per optimizer step (paper)")
-    epochs: int = _f(5, "epochs over the RCTP set (paper)")
-    weight_decay: float = _f(0.0, "AdamW weight decay (choice)")
-    warmup_ratio: float = _f(0.0, "fraction of steps with linear warm-up (choice)")
-    max_grad_norm: float = _f(1.0, "gradient clipping norm; 0 = off (choice)")
-    failure_ratio: float = _f(1.0, "failure : expert trajectories (paper: 1:1)")
-    failure_attempts: int = _f(4, "rollouts of the starting model per training entry to find failures (choice)")
-    failure_temperature: float = _f(1.0, "sampling temperature of those rollouts (choice)")
-    fill_with_perturbed: bool = _f(True, "top up missing failures with perturbed expert trajectories")
-    data_file: Optional[str] = _f(None, "reuse this RCTP JSONL instead of building it (must exist)")
-
-
-@dataclass
 class SftConfig:
+    """Supervised fine-tuning on expert trajectories (the SFT baseline)."""
+
     lr: float = _f(1e-5, "learning rate (paper)")
     batch_size: int = _f(16, "trajectories per optimizer step (paper)")
     epochs: int = _f(2, "epochs over the expert trajectories (paper)")
     weight_decay: float = _f(0.0, "AdamW weight decay (choice)")
     warmup_ratio: float = _f(0.0, "fraction of steps with linear warm-up (choice)")
     max_grad_norm: float = _f(1.0, "gradient clipping norm; 0 = off (choice)")
+
+
+@dataclass
+class RctpConfig(SftConfig):
+    """The same fine-tuning on the reward-tagged expert + failure set, plus how
+    that set is built (the redeclared `epochs` keeps its place in the order)."""
+
+    epochs: int = _f(5, "epochs over the RCTP set (paper)")
+    failure_ratio: float = _f(1.0, "failure : expert trajectories (paper: 1:1)")
+    failure_attempts: int = _f(4, "rollouts of the starting model per training entry to find failures (choice)")
+    failure_temperature: float = _f(1.0, "sampling temperature of those rollouts (choice)")
+    fill_with_perturbed: bool = _f(True, "top up missing failures with perturbed expert trajectories")
+    data_file: Optional[str] = _f(None, "reuse this RCTP JSONL instead of building it (must exist)")
 
 
 @dataclass

@@ -168,9 +168,8 @@ def run(cfg: Config) -> int:
 def engine_kwargs(cfg: Config, device: torch.device) -> dict:
     if cfg.run.engine == "hf":
         return {}
-    kwargs = {"dtype": "float32" if device.type == "cpu" else cfg.model.dtype,
-              "max_model_len": cfg.grpo.max_total_tokens, "seed": cfg.data.seed, "kv_cache_gib": 2}
-    return kwargs
+    return {"dtype": "float32" if device.type == "cpu" else cfg.model.dtype,
+            "max_model_len": cfg.grpo.max_total_tokens, "seed": cfg.data.seed, "kv_cache_gib": 2}
 
 
 def main(argv=None) -> int:

@@ -52,14 +52,14 @@ def label_token(reward: float) -> str:
     return HIGH_REWARD if reward >= 1.0 else LOW_REWARD
 
 
-def retag(rollout: Rollout, entry, tokenizer, token: str | None, doc_style: str) -> Record:
+def retag(rollout: Rollout, entry, tokenizer, token: str | None, doc_style: str, kind: str) -> Record:
     """The rollout with its prompt re-rendered under `token`: only the opening
     prompt changes; every later id (replies, tool results, next turns) was
     appended independently of it and is kept as produced."""
     prompt = ChatTokens(tokenizer).prompt_ids(initial_messages(Episode(entry), token, doc_style))
     rest = slice(rollout.prompt_len, None)
     return Record(
-        entry_id=rollout.entry_id, kind="", reward=rollout.reward, r_state=rollout.r_state,
+        entry_id=rollout.entry_id, kind=kind, reward=rollout.reward, r_state=rollout.r_state,
         r_action=rollout.r_action, valid=rollout.valid, reward_token=token,
         token_ids=prompt + rollout.token_ids[rest], loss_mask=[0] * len(prompt) + rollout.loss_mask[rest],
         end_reason=rollout.end_reason,
@@ -67,9 +67,7 @@ def retag(rollout: Rollout, entry, tokenizer, token: str | None, doc_style: str)
 
 
 def _labelled(rollout, entry, tokenizer, kind, doc_style, tagged: bool) -> Record:
-    record = retag(rollout, entry, tokenizer, label_token(rollout.reward) if tagged else None, doc_style)
-    record.kind = kind
-    return record
+    return retag(rollout, entry, tokenizer, label_token(rollout.reward) if tagged else None, doc_style, kind)
 
 
 def demonstration_config(config: RolloutConfig) -> RolloutConfig:

@@ -133,11 +133,15 @@ class Episode:
         return copy.deepcopy(self.entry.turns[self.turn_index])
 
     # -- driving -------------------------------------------------------------
+    def decode(self, text: str) -> list[Call]:
+        """Decode text into calls against this entry's methods (raises DecodeError)."""
+        return decode_calls(text, self._methods, self.positional)
+
     def step(self, assistant_text: str) -> StepResult:
         """Consume one model reply: decode, execute, advance."""
         self._require_active()
         try:
-            calls = decode_calls(assistant_text, self._methods, self.positional)
+            calls = self.decode(assistant_text)
         except DecodeError as exc:
             self.steps += 1
             self._end_turn()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rcgrpo.envs.bfcl import Episode, EpisodeResult
-from rcgrpo.envs.calls import Call, Positional, decode_calls
+from rcgrpo.envs.calls import Call, Positional
 from rcgrpo.envs.data import BFCLEntry
 from rcgrpo.envs.reward import ground_truth
 
@@ -26,7 +26,7 @@ def replay(entry: BFCLEntry, turns: list[list[list[str]]], positional: Positiona
         for step in turn:
             if episode.done:
                 break
-            calls = _decode_step(episode, step, positional)
+            calls = _decode_step(episode, step)
             if calls:
                 episode.step_calls(calls)
         if episode.done:
@@ -35,13 +35,13 @@ def replay(entry: BFCLEntry, turns: list[list[list[str]]], positional: Positiona
     return episode.result()
 
 
-def _decode_step(episode: Episode, step, positional: Positional) -> list[Call]:
+def _decode_step(episode: Episode, step) -> list[Call]:
     if not isinstance(step, list) or not all(isinstance(s, str) for s in step):
         raise ValueError("a step must be a list of call strings")
     calls = []
     for text in step:
         try:
-            calls.extend(decode_calls(text, episode._methods, positional))
+            calls.extend(episode.decode(text))
         except ValueError:
             continue  # the official runner ignores what it cannot decode
     return calls

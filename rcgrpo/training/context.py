@@ -3,6 +3,7 @@ and how a stage's model is saved for the next stage."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,9 +12,6 @@ import torch
 from rcgrpo.checkpoint import load_latest, save_checkpoint
 from rcgrpo.config import Config
 from rcgrpo.metrics import MetricsLogger, log_line
-
-DONE_MARKER = "stage_done.json"
-
 
 @dataclass
 class RunContext:
@@ -31,9 +29,8 @@ class RunContext:
         return self.run_dir / "models" / stage
 
     def stage_done(self, stage: str) -> bool:
-        return (self.stage_model_dir(stage) / DONE_MARKER).exists() or (
-            self.run_dir / "stages" / f"{stage}.done"
-        ).exists()
+        """Written by mark_done after the stage's outputs are in place."""
+        return (self.run_dir / "stages" / f"{stage}.done").exists()
 
     def mark_done(self, stage: str, info: dict) -> None:
         folder = self.run_dir / "stages"
@@ -47,15 +44,10 @@ class RunContext:
         final = self.stage_model_dir(stage)
         tmp = final.with_name(final.name + ".tmp")
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp)
         model.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
-        (tmp / DONE_MARKER).write_text(json.dumps({"stage": stage}))
         if final.exists():
-            import shutil
-
             shutil.rmtree(final)
         tmp.rename(final)
         return final
@@ -63,24 +55,25 @@ class RunContext:
     def checkpoint_root(self, stage: str) -> Path:
         return self.run_dir / "checkpoints" / stage
 
-    def save(self, stage: str, step: int, model, optimizer, scheduler, data_position, extra=None) -> None:
+    def save(self, stage: str, step: int, model, optimizer, scheduler) -> None:
         save_checkpoint(
             self.checkpoint_root(stage), step, model, self.tokenizer, optimizer, scheduler,
-            stage=stage, data_position=data_position, config=self.cfg.to_dict(), extra=extra or {},
+            stage=stage, data_position=step, config=self.cfg.to_dict(),
             keep_last=self.cfg.run.keep_last,
         )
 
-    def resume(self, stage: str, model, optimizer, scheduler):
-        """(step, data_position, extra) restored from the latest good
-        checkpoint of this stage, or (0, None, {}) for a fresh start."""
+    def resume(self, stage: str, model, optimizer, scheduler) -> int:
+        """The step restored from the latest good checkpoint of this stage
+        (0 for a fresh start). Data order is a pure function of the seed, so
+        the step is also the data position."""
         if not self.cfg.run.resume:
-            return 0, None, {}
+            return 0
         ckpt = load_latest(self.checkpoint_root(stage))
         if ckpt is None:
-            return 0, None, {}
+            return 0
         ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler)
         log_line(f"[{stage}] resumed from {ckpt.path} (step {ckpt.step})")
-        return ckpt.step, ckpt.data_position, ckpt.extra
+        return ckpt.step
 
     def metrics(self, stage: str, resume_step: int | None) -> MetricsLogger:
         return MetricsLogger(self.run_dir, stage=stage, resume_step=resume_step,

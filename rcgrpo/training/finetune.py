@@ -32,7 +32,7 @@ def finetune(ctx: RunContext, stage: str, model, trajectories: Sequence[Trajecto
     order = epoch_order(len(trajectories), section.epochs, ctx.cfg.data.seed)
     total_steps = -(-len(order) // section.batch_size)
     optimizer, scheduler = make_optimizer(model, section.lr, section.weight_decay, total_steps, section.warmup_ratio)
-    start, _, _ = ctx.resume(stage, model, optimizer, scheduler)
+    start = ctx.resume(stage, model, optimizer, scheduler)
     model.train()
     last = {}
     with ctx.metrics(stage, resume_step=start if start else None) as log:
@@ -53,6 +53,6 @@ def finetune(ctx: RunContext, stage: str, model, trajectories: Sequence[Trajecto
                            lr=scheduler.get_last_lr()[0], tokens_per_s=full.num_tokens / elapsed,
                            update_s=elapsed, loss_tokens=tokens)
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < total_steps:
-                ctx.save(stage, step + 1, model, optimizer, scheduler, data_position=step + 1)
+                ctx.save(stage, step + 1, model, optimizer, scheduler)
     model.eval()
     return last

@@ -108,7 +108,7 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
     batch_size = g.batch_size
     schedule = prompt_schedule(len(entries), batch_size, g.steps, ctx.cfg.data.seed)
     optimizer, scheduler = make_optimizer(model, g.lr, g.weight_decay, g.steps, 0.0)
-    start, _, _ = ctx.resume(stage, model, optimizer, scheduler)
+    start = ctx.resume(stage, model, optimizer, scheduler)
     if start:
         engine.load_weights(model.named_parameters())
     settings = RLLossSettings(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type,
@@ -141,5 +141,5 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
                 tokens_per_s=full.num_tokens / max(t2 - t1, 1e-9), generated_tokens_per_s=generated / max(t1 - t0, 1e-9),
             )
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < g.steps:
-                ctx.save(stage, step + 1, model, optimizer, scheduler, data_position=step + 1)
+                ctx.save(stage, step + 1, model, optimizer, scheduler)
     return last
