@@ -78,6 +78,7 @@ def run(cfg: Config) -> int:
     from rcgrpo.training.context import RunContext
     from rcgrpo.training.finetune import finetune
     from rcgrpo.training.grpo import train_rl
+    from rcgrpo.training.weight_sync import rollout_weights
 
     seed_everything(cfg.data.seed)
     if not cfg.run.resume:
@@ -144,7 +145,7 @@ def run(cfg: Config) -> int:
         elif stage in ("grpo", "rc-grpo"):
             policy = load_policy(current, dtype=dtype, device=device)
             ref = load_policy(current, dtype=dtype, device=device).model.eval().requires_grad_(False)
-            engine = engine_with(current, policy.model.named_parameters())
+            engine = engine_with(current, rollout_weights(policy.model))
             train_rl(ctx, stage, policy.model, ref, engine, entries,
                      reward_conditioned=cfg.finetune_stage == "rctp")
             current = ctx.export_model(stage, policy.model)
@@ -152,7 +153,7 @@ def run(cfg: Config) -> int:
             del policy, ref
         elif stage == "eval":
             policy = load_policy(current, dtype=dtype, device="cpu")
-            engine = engine_with(current, policy.model.named_parameters())
+            engine = engine_with(current, rollout_weights(policy.model))
             del policy
             test = select_entries(cfg.eval.split, cfg.eval.categories, cfg.eval.subset)
             result = evaluate(engine, tokenizer, test, cfg.eval.conditioning, cfg.eval.greedy,

@@ -22,6 +22,7 @@ from rcgrpo.models import HIGH_REWARD
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss
+from rcgrpo.training.weight_sync import rollout_weights
 
 
 def prompt_schedule(num_entries: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
@@ -110,7 +111,7 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
     optimizer, scheduler = make_optimizer(model, g.lr, g.weight_decay, g.steps, 0.0)
     start = ctx.resume(stage, model, optimizer, scheduler)
     if start:
-        engine.load_weights(model.named_parameters())
+        engine.load_weights(rollout_weights(model))
     settings = RLLossSettings(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type,
                               max_tokens=float(g.max_total_tokens) if g.loss_type == "dr_grpo" else None)
     last = {}
@@ -131,7 +132,7 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
             stats, full = rl_update(ctx, model, ref_model, to_trajectories(rollouts), settings, g.advantage_scale)
             grad_norm = clip_and_step(model, optimizer, scheduler, g.max_grad_norm)
             model.eval()
-            engine.load_weights(model.named_parameters())
+            engine.load_weights(rollout_weights(model))
             t2 = time.perf_counter()
             generated = sum(sum(r.loss_mask) for r in rollouts)
             last = log.log(
