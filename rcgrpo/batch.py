@@ -48,6 +48,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from rcgrpo.lora import unwrap
+
 __all__ = [
     "Trajectory",
     "PackedBatch",
@@ -55,6 +57,7 @@ __all__ = [
     "balance_micro_batches",
     "pack_micro_batches",
     "accumulation_weight",
+    "loss_normaliser",
     "block_causal_mask",
     "additive_mask",
     "packed_forward",
@@ -314,7 +317,23 @@ def pack_micro_batches(
     return [batch.select(ix) for ix in balance_micro_batches(batch.seq_lens, micro_batch_tokens, min_bins)]
 
 
-def accumulation_weight(micro: PackedBatch, full: PackedBatch, loss_type: str) -> float:
+def loss_normaliser(batch: PackedBatch, loss_type: str) -> int:
+    """The count a ``kernels`` loss_type divides by: sequences with loss tokens
+    (``grpo``), loss tokens (``bnpo`` / ``dapo``) or sequences (``dr_grpo``)."""
+    if loss_type == "grpo":
+        cs = torch.zeros(batch.num_tokens + 1, dtype=torch.long)
+        torch.cumsum(batch.loss_mask.long().cpu(), 0, out=cs[1:])
+        cu = batch.cu_seqlens.long().cpu()
+        return int(((cs[cu[1:]] - cs[cu[:-1]]) > 0).sum())
+    if loss_type in ("bnpo", "dapo"):
+        return batch.num_loss_tokens
+    if loss_type == "dr_grpo":
+        return batch.num_seqs
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def accumulation_weight(micro: PackedBatch, full: PackedBatch | None, loss_type: str,
+                        total: int | None = None) -> float:
     """Factor for a micro-batch's loss so that the accumulated gradient equals
     the full-batch loss's gradient, for each ``kernels`` loss_type.
 
@@ -323,22 +342,13 @@ def accumulation_weight(micro: PackedBatch, full: PackedBatch, loss_type: str) -
     * ``bnpo`` / ``dapo``: token mean over the batch -> loss tokens, micro / full.
     * ``dr_grpo``: sum / (S * max_tokens) -> sequences, micro / full; pass the
       same explicit ``max_tokens`` to every micro-batch's loss call.
+
+    ``total`` replaces the full batch's count: with several ranks it is the
+    count over every rank's batch, so that the ranks' summed gradients equal
+    one process's gradient on the whole batch.
     """
-
-    def seqs_with_loss(b: PackedBatch) -> int:
-        cs = torch.zeros(b.num_tokens + 1, dtype=torch.long)
-        torch.cumsum(b.loss_mask.long().cpu(), 0, out=cs[1:])
-        cu = b.cu_seqlens.long().cpu()
-        return int(((cs[cu[1:]] - cs[cu[:-1]]) > 0).sum())
-
-    if loss_type == "grpo":
-        num, den = seqs_with_loss(micro), seqs_with_loss(full)
-    elif loss_type in ("bnpo", "dapo"):
-        num, den = micro.num_loss_tokens, full.num_loss_tokens
-    elif loss_type == "dr_grpo":
-        num, den = micro.num_seqs, full.num_seqs
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
+    num = loss_normaliser(micro, loss_type)
+    den = loss_normaliser(full, loss_type) if total is None else total
     return num / den if den else 0.0
 
 
@@ -396,13 +406,19 @@ def packed_forward(model, batch: PackedBatch) -> torch.Tensor:
     Other attention implementations (e.g. flex_attention) are refused rather
     than silently mixing sequences.
     """
+    # A LoRA PeftModel's `.model` is the whole causal LM, not its decoder; the
+    # transformers model inside still runs the adapters.
+    model = unwrap(model)
     device = batch.input_ids.device
+    # An FSDP-sharded model runs its decoder through the root's forward hooks
+    # (rcgrpo.distributed.shard_model); a plain one calls it directly.
+    decoder = getattr(model, "fsdp_decoder", None) or model.model
     ids = batch.input_ids[None]
     pos = batch.position_ids[None]
     impl = str(getattr(model.config, "_attn_implementation", "") or "sdpa")
     if uses_varlen_attention(model):
         cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
-        out = model.model(
+        out = decoder(
             input_ids=ids,
             position_ids=pos,
             use_cache=False,
@@ -415,12 +431,12 @@ def packed_forward(model, batch: PackedBatch) -> torch.Tensor:
         # One sequence needs no block mask: plain causal attention lets SDPA
         # use its fused kernel instead of materialising [heads, N, N] scores
         # for every layer (10 GB for 3k tokens x 30 layers in training).
-        out = model.model(input_ids=ids, position_ids=pos, use_cache=False)
+        out = decoder(input_ids=ids, position_ids=pos, use_cache=False)
     elif impl in ("sdpa", "eager"):
         mask = block_causal_mask(batch.cu_seqlens, device=device)
         if impl == "eager":
             mask = additive_mask(mask, model.get_input_embeddings().weight.dtype)
-        out = model.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
+        out = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
     else:
         raise ValueError(
             f"packed_forward: attention implementation {impl!r} is not supported; "

@@ -4,7 +4,9 @@ Layout under a checkpoint root (suggested: ``runs/<name>/checkpoints/<stage>``):
 
     ckpt-00000040/
       model/            save_pretrained (safetensors) + tokenizer: loadable by
-                        transformers and vLLM as a plain model folder
+                        transformers and vLLM as a plain model folder; in a
+                        LoRA run the adapter only (adapter_model.safetensors,
+                        adapter_config.json): resume needs nothing more
       optimizer.pt      optimizer.state_dict()          (if given)
       scheduler.pt      scheduler.state_dict()          (if given)
       rng.pt            python / numpy / torch (+ CUDA) RNG states
@@ -53,6 +55,7 @@ __all__ = [
     "list_checkpoints",
     "verify_checkpoint",
     "load_model_weights",
+    "restore_model_weights",
 ]
 
 FORMAT = 1
@@ -83,7 +86,8 @@ class Checkpoint:
 
     @property
     def model_dir(self) -> Path:
-        """A plain HF model folder: ``from_pretrained`` / ``vllm.LLM`` load it."""
+        """A plain HF model folder: ``from_pretrained`` / ``vllm.LLM`` load it
+        (a peft adapter folder for a LoRA run)."""
         return self.path / "model"
 
     def restore(
@@ -99,7 +103,7 @@ class Checkpoint:
         Raises CheckpointError if something asked for is not in the checkpoint.
         """
         if model is not None:
-            load_model_weights(model, self.model_dir)
+            restore_model_weights(model, self.model_dir)
         if optimizer is not None:
             optimizer.load_state_dict(self._load_pt("optimizer.pt"))
         if scheduler is not None:
@@ -139,12 +143,16 @@ def save_checkpoint(
     extra: Optional[dict] = None,
     generators: Optional[dict[str, torch.Generator]] = None,
     keep_last: int = 3,
+    model_state_dict: Optional[dict[str, torch.Tensor]] = None,
+    optimizer_state_dict: Optional[dict] = None,
 ) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; return its folder.
 
     ``data_position``, ``config`` and ``extra`` must be JSON-serialisable
     (checked before anything is written). ``keep_last`` newest checkpoints are
     kept; older ones are deleted once the new one is complete.
+    ``model_state_dict`` / ``optimizer_state_dict`` are written instead of the
+    model's and optimizer's own (an FSDP run passes the gathered full states).
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -163,11 +171,12 @@ def save_checkpoint(
         shutil.rmtree(tmp)  # left by a save that was killed
     tmp.mkdir()
     try:
-        model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        model.save_pretrained(str(tmp / "model"), safe_serialization=True, state_dict=model_state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp / "model"))
         if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            state = optimizer.state_dict() if optimizer_state_dict is None else optimizer_state_dict
+            torch.save(state, tmp / "optimizer.pt")
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(_get_rng_states(generators), tmp / "rng.pt")
@@ -357,6 +366,26 @@ def load_latest(root: str | os.PathLike, full_verify: bool = True) -> Optional[C
     if reasons:
         raise CheckpointError(f"no usable checkpoint in {root}:\n  " + "\n  ".join(reasons))
     return None
+
+
+def restore_model_weights(model: torch.nn.Module, model_dir: str | os.PathLike) -> None:
+    """A checkpoint's weights into ``model``: the full model, or for a LoRA run
+    (whose checkpoints hold the small adapter only) the adapter weights."""
+    from rcgrpo.lora import ADAPTER_CONFIG, is_lora, load_adapter
+
+    lora_ckpt = (Path(model_dir) / ADAPTER_CONFIG).is_file()
+    if is_lora(model) != lora_ckpt:
+        raise CheckpointError(
+            f"{model_dir} holds {'LoRA adapter' if lora_ckpt else 'full model'} weights but the model "
+            f"{'has' if is_lora(model) else 'has no'} LoRA adapters: resume with the setting the run was "
+            f"saved with, model.lora.enabled {str(lora_ckpt).lower()}")
+    if lora_ckpt:
+        try:
+            load_adapter(model, model_dir)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{model_dir}: {e}") from e
+    else:
+        load_model_weights(model, model_dir)
 
 
 def load_model_weights(model: torch.nn.Module, model_dir: str | os.PathLike) -> None:

@@ -89,9 +89,10 @@ def _f(default: Any, help: str):
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (needs `peft`, not installed by default). Validated only."""
+    """LoRA adapters (rcgrpo/lora.py; needs `peft`, the `lora` extra). The
+    engine and the exported stage models get the merged weights."""
 
-    enabled: bool = _f(False, "train LoRA adapters instead of all weights (needs `pip install peft`)")
+    enabled: bool = _f(False, "train LoRA adapters instead of all weights (needs `pip install peft==0.21.2`)")
     r: int = _f(16, "LoRA rank")
     alpha: float = _f(32.0, "LoRA alpha (scale = alpha / r)")
     dropout: float = _f(0.05, "LoRA dropout, in [0, 1)")
@@ -116,6 +117,9 @@ class DataConfig:
     categories: list[str] = _f(list(CATEGORIES), f"BFCL multi-turn categories, subset of {CATEGORIES}")
     max_prompt_tokens: int = _f(6144, "skip entries whose first prompt is longer (choice: fits an 8k context)")
     train_subset: Optional[int] = _f(None, "use only this many training entries (none = all 720)")
+    entry_ids: Optional[list[str]] = _f(
+        None, "train only on these training-split entry ids, e.g. multi_turn_base_100 (none = all; then train_subset)"
+    )
     seed: int = _f(0, "seed for data order, subsets, reward-token draws and torch")
     doc_style: str = _f("compact", f"function docs in the system prompt, one of {DOC_STYLES} (choice: compact JSON)")
 
@@ -197,6 +201,12 @@ class RunConfig:
     grad_accum: int = _f(0, "micro-batches per optimizer step; 0 = as many as one batch needs")
     device: str = _f("auto", f"one of {DEVICES}")
     engine: str = _f("auto", f"rollout engine, one of {ENGINES} (auto: vLLM when installed)")
+    engine_tp_size: int = _f(
+        1, "torchrun: ranks per tensor-parallel vLLM engine (1 = an engine per rank); divides the world size"
+    )
+    dist_timeout_s: float = _f(
+        1800.0, "torchrun: seconds a collective waits for a peer before failing (bounds a hang on a dead rank)"
+    )
     log_every: int = _f(1, "steps between metric lines")
     tensorboard: bool = _f(True, "also write TensorBoard scalars when it is installed")
 
@@ -628,7 +638,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     need(bool(lo.target_modules), "model.lora.target_modules must not be empty")
     if lo.enabled:
         need(importlib.util.find_spec("peft") is not None,
-             "model.lora.enabled needs the `peft` package: pip install peft")
+             "model.lora.enabled needs the `peft` package: pip install peft==0.21.2 (or pip install 'rcgrpo[lora]')")
 
     for key, cats in (("data.categories", d.categories), ("eval.categories", e.categories)):
         bad = [c for c in cats if c not in CATEGORIES]
@@ -637,6 +647,8 @@ def validate(cfg: Config, check_files: bool = True) -> None:
         need(len(set(cats)) == len(cats), f"{key} has duplicates: {cats}")
     need(d.max_prompt_tokens >= 1, f"data.max_prompt_tokens must be >= 1, got {d.max_prompt_tokens}")
     need(d.train_subset is None or d.train_subset >= 1, f"data.train_subset must be >= 1, got {d.train_subset}")
+    need(d.entry_ids is None or (len(d.entry_ids) >= 1 and len(set(d.entry_ids)) == len(d.entry_ids)),
+         f"data.entry_ids must be a non-empty list without repeats, got {d.entry_ids}")
 
     for name, st in (("rctp", r), ("sft", s)):
         need(st.lr > 0, f"{name}.lr must be > 0, got {st.lr}")
@@ -690,6 +702,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     need(run.grad_accum >= 0, f"run.grad_accum must be >= 0 (0 = automatic), got {run.grad_accum}")
     need(run.device in DEVICES, f"run.device must be one of {DEVICES}, got {run.device!r}")
     need(run.engine in ENGINES, f"run.engine must be one of {ENGINES}, got {run.engine!r}")
+    _validate_world(cfg, need)
     need(cfg.data.doc_style in DOC_STYLES, f"data.doc_style must be one of {DOC_STYLES}, got {cfg.data.doc_style!r}")
     need(run.log_every >= 1, f"run.log_every must be >= 1, got {run.log_every}")
 
@@ -698,6 +711,25 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     if problems:
         head = problems[0] if len(problems) == 1 else f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)
         raise ConfigError(f"invalid configuration: {head}", problems)
+
+
+def _validate_world(cfg: Config, need) -> None:
+    """Settings that depend on the torchrun world (WORLD_SIZE, read from the
+    environment so that a bad launch fails before any model loads)."""
+    run = cfg.run
+    world = os.environ.get("WORLD_SIZE", "1")
+    world = int(world) if world.isdigit() else 1
+    need(run.dist_timeout_s > 0, f"run.dist_timeout_s must be > 0, got {run.dist_timeout_s}")
+    need(run.engine_tp_size >= 1, f"run.engine_tp_size must be >= 1, got {run.engine_tp_size}")
+    if run.engine_tp_size > 1:
+        need(run.engine == "vllm" and run.device == "cuda",
+             f"run.engine_tp_size {run.engine_tp_size} needs run.engine vllm and run.device cuda "
+             "(tensor-parallel engines are vLLM on GPUs)")
+        need(world % run.engine_tp_size == 0,
+             f"run.engine_tp_size {run.engine_tp_size} must divide the torchrun world size {world}")
+    if world > 1:
+        need(not cfg.model.lora.enabled,
+             f"model.lora.enabled is single-process only; this torchrun job has {world} ranks")
 
 
 def _missing_files(cfg: Config) -> list[str]:

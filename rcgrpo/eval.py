@@ -103,6 +103,12 @@ def evaluate_model(args) -> int:
     if unknown:
         raise SystemExit(f"unknown categories {unknown}; choose from {CATEGORIES}")
     entries = select_entries(args.split, categories, args.subset)
+    if args.ids:
+        wanted = [i.strip() for i in args.ids.split(",") if i.strip()]
+        missing = sorted(set(wanted) - {e.id for e in entries})
+        if missing:
+            raise SystemExit(f"--ids: {missing} are not in the {args.split} split of {categories}")
+        entries = [e for e in entries if e.id in set(wanted)]
     kwargs = {} if args.engine == "hf" else {"max_model_len": args.max_total_tokens}
     engine = make_engine(args.engine, folder, **kwargs)
     result = evaluate(engine, load_tokenizer(folder), entries, args.conditioning, greedy=True,
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", choices=["test", "train"], default="test")
     parser.add_argument("--subset", type=int, default=None, help="first N entries of each category")
     parser.add_argument("--categories", default=",".join(CATEGORIES))
+    parser.add_argument("--ids", default="", help="--model: only these comma-separated entry ids of the split")
     parser.add_argument("--conditioning", choices=["high", "low", "none"], default="high")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--max-total-tokens", type=int, default=8192)

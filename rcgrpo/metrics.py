@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-__all__ = ["MetricsLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress", "log_line"]
+__all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress", "log_line"]
 
 METRICS_FILE = "metrics.jsonl"
 DROPPED_FILE = "metrics.dropped.jsonl"
@@ -211,6 +211,28 @@ class MetricsLogger:
         self.close()
 
 
+class DiscardingLogger:
+    """MetricsLogger's interface writing nothing: what ranks other than 0 of a
+    torchrun job use (rank 0 logs the metrics reduced over all ranks)."""
+
+    def log(self, step: int, metrics: Optional[dict] = None, **more: Any) -> dict:
+        return {"step": int(step), **_flatten({**(metrics or {}), **more})}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "DiscardingLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _main_rank() -> bool:
+    # torchrun's RANK; read from the environment so this module needs no torch.
+    return os.environ.get("RANK", "0") == "0"
+
+
 # ------------------------------------------------------------- progress bars
 
 
@@ -230,12 +252,15 @@ def progress(iterable: Optional[Iterable] = None, *, total: Optional[int] = None
     tty = sys.stderr.isatty()
     kwargs.setdefault("mininterval", 0.5 if tty else 30.0)
     kwargs.setdefault("dynamic_ncols", True)
-    kwargs.setdefault("disable", os.environ.get("RCGRPO_PROGRESS", "1") == "0")
+    kwargs.setdefault("disable", os.environ.get("RCGRPO_PROGRESS", "1") == "0" or not _main_rank())
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, **kwargs)
 
 
 def log_line(message: str) -> None:
-    """Print a line without breaking active progress bars."""
+    """Print a line without breaking active progress bars (rank 0 only)."""
     from tqdm.auto import tqdm
+
+    if not _main_rank():
+        return
 
     tqdm.write(message, file=sys.stderr)

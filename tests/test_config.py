@@ -100,6 +100,7 @@ def test_cli_forms():
         (["positional"], "unexpected argument 'positional'"),
         (["--model.lora.dropout", "1"], "model.lora.dropout must be in [0, 1)"),
         (["--data.max_prompt_tokens", "9000"], "must exceed data.max_prompt_tokens"),
+        (["--data.entry_ids", "multi_turn_base_1,multi_turn_base_1"], "data.entry_ids must be a non-empty list"),
     ],
 )
 def test_errors_name_the_setting(argv, needle):

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
+from rcgrpo import distributed
 from rcgrpo.checkpoint import load_latest, save_checkpoint
 from rcgrpo.config import Config
-from rcgrpo.metrics import MetricsLogger, log_line
+from rcgrpo.lora import is_lora, save_merged
+from rcgrpo.metrics import DiscardingLogger, MetricsLogger, log_line
 
 @dataclass
 class RunContext:
@@ -33,6 +35,8 @@ class RunContext:
         return (self.run_dir / "stages" / f"{stage}.done").exists()
 
     def mark_done(self, stage: str, info: dict) -> None:
+        if not distributed.is_main():
+            return
         folder = self.run_dir / "stages"
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{stage}.done.tmp"
@@ -40,42 +44,84 @@ class RunContext:
         tmp.replace(folder / f"{stage}.done")
 
     def export_model(self, stage: str, model) -> Path:
-        """Save the stage's final policy (safetensors + tokenizer) atomically."""
+        """Save the stage's final policy (safetensors + tokenizer) atomically.
+        A LoRA policy is saved merged (the next stage and vLLM load a plain
+        model), with its adapter alone in `adapter/` inside the folder."""
+        if distributed.is_sharded(model):
+            return self._export_gathered(stage, model)
         final = self.stage_model_dir(stage)
         tmp = final.with_name(final.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
+        if is_lora(model):
+            save_merged(model, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         return final
 
+    def _export_gathered(self, stage: str, model) -> Path:
+        """FSDP: every rank joins the gather, rank 0 writes the same plain
+        folder one process writes, and no rank goes on before it exists."""
+        from rcgrpo.training.sharded_state import gathered_model_state
+
+        state = gathered_model_state(model)
+        final = self.stage_model_dir(stage)
+        if distributed.is_main():
+            tmp = final.with_name(final.name + ".tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            self.tokenizer.save_pretrained(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        distributed.barrier()
+        return final
+
     def checkpoint_root(self, stage: str) -> Path:
         return self.run_dir / "checkpoints" / stage
 
     def save(self, stage: str, step: int, model, optimizer, scheduler) -> None:
-        save_checkpoint(
-            self.checkpoint_root(stage), step, model, self.tokenizer, optimizer, scheduler,
-            stage=stage, data_position=step, config=self.cfg.to_dict(),
-            keep_last=self.cfg.run.keep_last,
-        )
+        """Every rank calls; rank 0 writes (see sharded_state for the format)."""
+        states = {}
+        if distributed.is_sharded(model):
+            from rcgrpo.training.sharded_state import gathered_model_state, gathered_optimizer_state
+
+            states = {"model_state_dict": gathered_model_state(model),
+                      "optimizer_state_dict": gathered_optimizer_state(model, optimizer)}
+        if distributed.is_main():
+            save_checkpoint(
+                self.checkpoint_root(stage), step, model, self.tokenizer, optimizer, scheduler,
+                stage=stage, data_position=step, config=self.cfg.to_dict(),
+                keep_last=self.cfg.run.keep_last, **states,
+            )
 
     def resume(self, stage: str, model, optimizer, scheduler) -> int:
         """The step restored from the latest good checkpoint of this stage
         (0 for a fresh start). Data order is a pure function of the seed, so
-        the step is also the data position."""
+        the step is also the data position. Under torchrun rank 0 picks and
+        verifies the checkpoint and hands its state to the other ranks."""
         if not self.cfg.run.resume:
             return 0
-        ckpt = load_latest(self.checkpoint_root(stage))
+        ckpt = load_latest(self.checkpoint_root(stage)) if distributed.is_main() else None
+        if distributed.is_sharded(model):
+            from rcgrpo.training.sharded_state import restore_sharded
+
+            ckpt = restore_sharded(ckpt, model, optimizer, scheduler)
+        elif ckpt is not None:
+            ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler)
         if ckpt is None:
             return 0
-        ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler)
         log_line(f"[{stage}] resumed from {ckpt.path} (step {ckpt.step})")
         return ckpt.step
 
     def metrics(self, stage: str, resume_step: int | None) -> MetricsLogger:
+        if not distributed.is_main():
+            return DiscardingLogger()  # one writer: rank 0 logs the reduced metrics
         return MetricsLogger(self.run_dir, stage=stage, resume_step=resume_step,
                              tensorboard=self.cfg.run.tensorboard)
 
@@ -93,11 +139,17 @@ def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warm
 
 
 def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
+    """Clip to the global gradient norm and step. With FSDP the gradients are
+    DTensor shards: torch's norm of them is the norm over all ranks (the
+    same number on every rank), returned as a DTensor and read out whole."""
     params = [p for p in model.parameters() if p.grad is not None]
     if max_grad_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    elif distributed.is_sharded(model):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     else:
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.zeros(())
+    norm = distributed.full_tensor(norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -8,9 +8,11 @@ import time
 from typing import Sequence
 
 
+from rcgrpo import distributed
 from rcgrpo.batch import Trajectory, pack, pack_micro_batches
 from rcgrpo.metrics import progress
 from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import sft_loss
 
 
@@ -39,18 +41,27 @@ def finetune(ctx: RunContext, stage: str, model, trajectories: Sequence[Trajecto
         for step in progress(range(start, total_steps), total=total_steps, initial=start, desc=stage):
             t0 = time.perf_counter()
             chunk = [trajectories[i] for i in order[step * section.batch_size:(step + 1) * section.batch_size]]
-            full = pack(chunk).to(ctx.device)
+            # Under torchrun each rank trains on its slice of the step's
+            # trajectories, weighted by the loss-token count over all ranks.
+            lo, hi = distributed.rank_slice(chunk)
+            full = pack(chunk[lo:hi]).to(ctx.device) if hi > lo else None
+            micros = pack_micro_batches(full, ctx.cfg.run.micro_batch_tokens) if full is not None else []
+            counts = distributed.all_reduce_sum(
+                {"loss_tokens": full.num_loss_tokens if full else 0, "tokens": full.num_tokens if full else 0})
             stats_sum, tokens = 0.0, 0
-            for micro in pack_micro_batches(full, ctx.cfg.run.micro_batch_tokens):
+            for micro, padding in lockstep(micros, ctx.device):
                 loss, stats = sft_loss(model, micro, fused=ctx.cfg.run.fused)
-                weight = stats["loss_tokens"] / max(full.num_loss_tokens, 1)
+                weight = 0.0 if padding else stats["loss_tokens"] / max(round(counts["loss_tokens"]), 1)
                 (loss * weight).backward()
-                stats_sum += stats["nll"] * stats["loss_tokens"]
-                tokens += stats["loss_tokens"]
+                if not padding:
+                    stats_sum += stats["nll"] * stats["loss_tokens"]
+                    tokens += stats["loss_tokens"]
+            total = distributed.all_reduce_sum({"nll": stats_sum, "tokens": tokens})
+            stats_sum, tokens = total["nll"], round(total["tokens"])
             grad_norm = clip_and_step(model, optimizer, scheduler, section.max_grad_norm)
             elapsed = time.perf_counter() - t0
             last = log.log(step + 1, loss=stats_sum / max(tokens, 1), grad_norm=grad_norm,
-                           lr=scheduler.get_last_lr()[0], tokens_per_s=full.num_tokens / elapsed,
+                           lr=scheduler.get_last_lr()[0], tokens_per_s=round(counts["tokens"]) / elapsed,
                            update_s=elapsed, loss_tokens=tokens)
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < total_steps:
                 ctx.save(stage, step + 1, model, optimizer, scheduler)

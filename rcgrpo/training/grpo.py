@@ -15,12 +15,16 @@ import time
 from collections import defaultdict
 from typing import Sequence
 
+import torch
+
 import kernels
-from rcgrpo.batch import PackedBatch, Trajectory, accumulation_weight, pack, pack_micro_batches
+from rcgrpo import distributed
+from rcgrpo.batch import Trajectory, accumulation_weight, loss_normaliser, pack, pack_micro_batches
 from rcgrpo.metrics import progress
 from rcgrpo.models import HIGH_REWARD
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss
 from rcgrpo.training.weight_sync import rollout_weights
 
@@ -67,6 +71,25 @@ def group_stats(rollouts) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutSummary:
+    """What the step's statistics need of a rollout, small enough to gather."""
+    group: int  # position of its prompt in the whole step
+    reward: float
+    reward_token: str | None
+    valid: bool
+    r_state: float
+    r_action: float
+    generated: int
+
+
+def gather_summaries(rollouts, group_offset: int) -> list[RolloutSummary]:
+    """Every rank's rollouts of the step, in step order (one process's list)."""
+    mine = [RolloutSummary(group_offset + r.group, r.reward, r.reward_token, r.valid, r.r_state, r.r_action,
+                           sum(r.loss_mask)) for r in rollouts]
+    return [s for part in distributed.all_gather_objects(mine) for s in part]
+
+
 def to_trajectories(rollouts) -> list[Trajectory]:
     return [
         Trajectory(r.token_ids, r.loss_mask, group=r.group, reward=r.reward, logprobs=r.logprobs,
@@ -76,31 +99,65 @@ def to_trajectories(rollouts) -> list[Trajectory]:
 
 
 def rl_update(ctx: RunContext, model, ref_model, trajectories: Sequence[Trajectory], settings: RLLossSettings,
-              advantage_scale: str) -> tuple[dict[str, float], PackedBatch]:
-    """Loss + backward over token-balanced micro-batches of one rollout batch."""
+              advantage_scale: str) -> dict[str, float]:
+    """Loss + backward over token-balanced micro-batches of one rollout batch.
+
+    Under torchrun, `trajectories` are this rank's whole groups (advantages
+    never need another rank's rewards). Each micro-batch is weighted by the
+    count over every rank's batch and FSDP sums the ranks' gradients, so the
+    update is the one a single process would make on the whole batch. The
+    returned statistics are already reduced over ranks.
+    """
     fused = ctx.cfg.run.fused
-    full = pack(trajectories).to(ctx.device)
-    advantages = kernels.group_advantages(full.rewards, full.seq_group, scale=advantage_scale)
-    full = dataclasses.replace(full, advantages=advantages, old_logp=None)
+    micros, advantages = [], torch.zeros(0)
+    local = {"loss_tokens": 0, "batch_tokens": 0, "normaliser": 0}
+    if trajectories:
+        full = pack(trajectories).to(ctx.device)
+        advantages = kernels.group_advantages(full.rewards, full.seq_group, scale=advantage_scale)
+        full = dataclasses.replace(full, advantages=advantages, old_logp=None)
+        # Micro-batches without a generated token (e.g. every rollout's prompt
+        # was too long) carry no loss: skip their forward passes.
+        micros = [m for m in pack_micro_batches(full, ctx.cfg.run.micro_batch_tokens) if m.num_loss_tokens]
+        local = {"loss_tokens": full.num_loss_tokens, "batch_tokens": full.num_tokens,
+                 "normaliser": loss_normaliser(full, settings.loss_type)}
+    counts = distributed.all_reduce_sum(local)
     sums: dict[str, float] = defaultdict(float)
-    # Micro-batches without a generated token (e.g. every rollout's prompt
-    # was too long) carry no loss: skip their forward passes.
-    micros = [m for m in pack_micro_batches(full, ctx.cfg.run.micro_batch_tokens) if m.num_loss_tokens]
-    for micro in micros:
+    for micro, padding in lockstep(micros, ctx.device):
         if settings.beta > 0:
             micro = dataclasses.replace(
                 micro, ref_logp=reference_logprobs(ref_model, micro, fused, settings.temperature))
-        weight = accumulation_weight(micro, full, settings.loss_type)
+        weight = 0.0 if padding else accumulation_weight(micro, None, settings.loss_type,
+                                                         total=round(counts["normaliser"]))
         loss, stats = rl_loss(model, micro, settings, fused)
         (loss * weight).backward()
+        if padding:
+            continue
         sums["loss"] += float(loss.detach()) * weight
         for key, value in stats.items():
             sums[key] += float(value) * weight
-    sums["adv_std"] = float(advantages.std(unbiased=False)) if advantages.numel() > 1 else 0.0
-    sums["adv_abs_mean"] = float(advantages.abs().mean())
-    sums["loss_tokens"] = full.num_loss_tokens
-    sums["batch_tokens"] = full.num_tokens
-    return dict(sums), full
+    out = distributed.all_reduce_sum(dict(sums))
+    out["loss_tokens"], out["batch_tokens"] = round(counts["loss_tokens"]), round(counts["batch_tokens"])
+    # Every rank's advantages, in rank order (as one process would hold them).
+    adv = torch.tensor(sum(distributed.all_gather_objects(advantages.tolist()), []), dtype=torch.float32)
+    out["adv_std"] = float(adv.std(unbiased=False)) if adv.numel() > 1 else 0.0
+    out["adv_abs_mean"] = float(adv.abs().mean())
+    return out
+
+
+def step_share(schedule_row: Sequence[int], tp_size: int) -> tuple[list[int], int, tuple[int, int]]:
+    """This rank's part of one step's prompts (entry indices).
+
+    Returns (the prompts its engine plays, the position of the first of them
+    in the step, the [start, end) of those the rank trains on). An engine
+    group of `tp_size` ranks plays one slice of the prompts together (a
+    tensor-parallel engine answers its ranks' identical calls once); each
+    rank then trains on its own whole groups of that slice.
+    """
+    world, r = distributed.world_size(), distributed.rank()
+    start, end = distributed.rank_slice(schedule_row, world // tp_size, r // tp_size)
+    played = list(schedule_row[start:end])
+    mine = distributed.rank_slice(played, tp_size, r % tp_size)
+    return played, start, mine
 
 
 def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Sequence, reward_conditioned: bool) -> dict:
@@ -117,29 +174,35 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
     last = {}
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         for step in progress(range(start, g.steps), total=g.steps, initial=start, desc=stage):
-            step_entries = [entries[i] for i in schedule[step]]
+            played, offset, (lo, hi) = step_share(schedule[step], ctx.cfg.run.engine_tp_size)
+            step_entries = [entries[i] for i in played]
             rollout_cfg = RolloutConfig(
                 max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
-                temperature=g.temperature, top_p=g.top_p, seed=ctx.cfg.data.seed * 100_003 + step,
+                temperature=g.temperature, top_p=g.top_p,
+                # Each engine group's share of the step gets its own seeds.
+                seed=ctx.cfg.data.seed * 100_003 + step + 1_000_003 * offset,
                 p_high=g.p_high, doc_style=ctx.cfg.data.doc_style, progress=False,
             )
             t0 = time.perf_counter()
             model.eval()
             rollouts = run_episodes(engine, ctx.tokenizer, step_entries, g.group_size, rollout_cfg,
                                     reward_tokens=conditioning(stage, reward_conditioned, len(step_entries) * g.group_size))
+            rollouts = [r for r in rollouts if lo <= r.group < hi]
             t1 = time.perf_counter()
             model.train()
-            stats, full = rl_update(ctx, model, ref_model, to_trajectories(rollouts), settings, g.advantage_scale)
+            stats = rl_update(ctx, model, ref_model, to_trajectories(rollouts), settings, g.advantage_scale)
             grad_norm = clip_and_step(model, optimizer, scheduler, g.max_grad_norm)
             model.eval()
             engine.load_weights(rollout_weights(model))
             t2 = time.perf_counter()
-            generated = sum(sum(r.loss_mask) for r in rollouts)
+            everyone = gather_summaries(rollouts, offset)
+            generated = sum(s.generated for s in everyone)
             last = log.log(
                 step + 1,
-                **group_stats(rollouts), **stats, grad_norm=grad_norm,
+                **group_stats(everyone), **stats, grad_norm=grad_norm,
                 lr=scheduler.get_last_lr()[0], rollout_s=t1 - t0, update_s=t2 - t1,
-                tokens_per_s=full.num_tokens / max(t2 - t1, 1e-9), generated_tokens_per_s=generated / max(t1 - t0, 1e-9),
+                tokens_per_s=stats["batch_tokens"] / max(t2 - t1, 1e-9),
+                generated_tokens_per_s=generated / max(t1 - t0, 1e-9),
             )
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < g.steps:
                 ctx.save(stage, step + 1, model, optimizer, scheduler)

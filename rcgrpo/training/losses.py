@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from rcgrpo.batch import PackedBatch, packed_forward
+from rcgrpo.lora import adapters_off
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,13 @@ def sft_loss(model, batch: PackedBatch, fused: bool,
 @torch.no_grad()
 def reference_logprobs(ref_model, batch: PackedBatch, fused: bool, temperature: float,
                        hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """[N] log-probs of the frozen reference, 0 off the loss positions."""
+    """[N] log-probs of the frozen reference, 0 off the loss positions.
+
+    `ref_model` may be the LoRA policy itself: its reference is its base, run
+    with the adapters off (rcgrpo.lora), so no second copy of the model."""
     out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
-    out[batch.loss_mask] = token_logprobs(ref_model, batch, fused, temperature, hidden).float()
+    with adapters_off(ref_model):
+        out[batch.loss_mask] = token_logprobs(ref_model, batch, fused, temperature, hidden).float()
     return out
 
 

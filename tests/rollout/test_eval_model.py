@@ -5,19 +5,30 @@ import subprocess
 import sys
 
 
+def eval_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--model", "embedded:smollm2-135m-instruct", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def test_eval_model_writes_the_table(tmp_path):
+    from rcgrpo.evaluate import select_entries
+
     out = tmp_path / "eval"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rcgrpo.eval", "--model", "embedded:smollm2-135m-instruct", "--engine", "hf",
-         "--subset", "1", "--categories", "base", "--max-new-tokens", "8", "--max-total-tokens", "6144",
-         "--doc-style", "compact_no_response", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+    wanted = select_entries("test", ["base"], None)[1].id  # not the first: --ids must really select
+    proc = eval_cli("--engine", "hf", "--ids", wanted, "--categories", "base", "--max-new-tokens", "8",
+                    "--max-total-tokens", "6144", "--doc-style", "compact_no_response", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "eval.json").read_text())
     assert result["n"] == {"base": 1} and result["conditioning"] == "high"
     assert 0.0 <= result["overall"] <= 1.0
     (row,) = result["rows"]
-    assert row["id"].startswith("multi_turn_base_") and row["end_reason"]
+    assert row["id"] == wanted and row["end_reason"]
     table = (out / "eval.md").read_text()
     assert "| method | base | overall |" in table and "| embedded:smollm2-135m-instruct |" in table
     assert "| method | base | overall |" in proc.stdout
+
+
+def test_eval_ids_outside_the_split_are_named():
+    proc = eval_cli("--split", "test", "--ids", "multi_turn_base_0,no_such_entry", "--categories", "base", timeout=120)
+    assert proc.returncode != 0
+    assert "no_such_entry" in proc.stderr and "test split" in proc.stderr

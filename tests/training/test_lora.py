@@ -1,0 +1,309 @@
+"""LoRA (peft) on the real SmolLM2 policy: config errors, the merged weight
+stream, one trainer step that moves only the adapters with the fused and
+reference paths agreeing, the adapters-off reference, export, and resume.
+
+Short synthetic chats with the real tokenizer keep it fast: the subject is the
+LoRA mechanics, not BFCL. Fresh adapters have B = 0 (they change nothing), so
+the models here get a random B first: a wrong merge or a reference that
+forgot to switch the adapters off then shows up as a numeric difference.
+"""
+import copy
+import dataclasses
+import inspect
+import shutil
+
+import pytest
+import torch
+
+from rcgrpo import config as C
+from rcgrpo.batch import pack
+from rcgrpo.checkpoint import CheckpointError
+from rcgrpo.config import ConfigError, LoraConfig, parse_args
+from rcgrpo.lora import ADAPTER_DIR, adapters_off, is_lora, unwrap, wrap
+from rcgrpo.models import HIGH_REWARD, LOW_REWARD
+from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+from rcgrpo.training.finetune import finetune
+from rcgrpo.training.grpo import rl_update
+from rcgrpo.training.losses import RLLossSettings, reference_logprobs, sft_loss, token_logprobs
+from rcgrpo.training.weight_sync import rollout_weights
+
+from tests.training.conftest import chat_record
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+LORA_ARGS = ["--model.lora.enabled", "true", "--model.lora.r", "4", "--model.lora.alpha", "8",
+             "--model.lora.dropout", "0", "--model.lora.target_modules", ",".join(TARGETS)]
+
+
+def lora_model(policy, seed=0):
+    """A LoRA copy of the session policy (wrapping edits the model in place)."""
+    model = wrap(copy.deepcopy(policy.model), LoraConfig(True, 4, 8.0, 0.0, list(TARGETS)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def make_ctx(tmp_path, tokenizer, policy, *extra):
+    cfg = parse_args(["--out-dir", str(tmp_path), "--name", "lora", "--run.checkpoint_every", "0",
+                      "--run.tensorboard", "false", "--grpo.beta", "0.1", *LORA_ARGS, *extra])
+    return RunContext(cfg, torch.device("cpu"), tokenizer, policy.path)
+
+
+@pytest.fixture(scope="module")
+def trajectories(tokenizer):
+    """One group with reward variance: non-zero advantages."""
+    out = []
+    for i, (reply, reward) in enumerate([("[ls(a=True)]", 1.0), ("[pwd()]", 0.0), ("[cd(folder='x')]", 1.0),
+                                         ("I cannot help.", 0.0)]):
+        rec = chat_record(tokenizer, f"List the files, request {i}.", reply,
+                          HIGH_REWARD if reward else LOW_REWARD, reward)
+        out.append(dataclasses.replace(rec.trajectory(), group=0, reward=reward))
+    return out
+
+
+def base_params(model):
+    return {n: p for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def lora_params(model):
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+# ------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model.lora.r", "0"], "model.lora.r must be >= 1"),
+    (["--model.lora.alpha", "0"], "model.lora.alpha must be > 0"),
+    (["--model.lora.dropout", "1"], "model.lora.dropout must be in [0, 1)"),
+    (["--model.lora.dropout", "-0.1"], "model.lora.dropout must be in [0, 1)"),
+    (["--model.lora.target_modules", ""], "model.lora.target_modules must not be empty"),
+])
+def test_config_errors_name_the_setting(argv, needle):
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(")", r"\)")):
+        parse_args(["--model.lora.enabled", "true", *argv])
+
+
+def test_enabled_without_peft_names_the_setting_and_the_pip_command(monkeypatch):
+    real = C.importlib.util.find_spec
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda n, *a: None if n == "peft" else real(n, *a))
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--model.lora.enabled", "true"])
+    assert "model.lora.enabled" in str(e.value) and "pip install peft==0.21.2" in str(e.value)
+    assert not parse_args([]).model.lora.enabled  # disabled: peft not needed
+
+
+def test_adapters_on_the_lm_head_are_refused(policy):
+    with pytest.raises(ValueError, match="LM head"):
+        wrap(copy.deepcopy(policy.model), LoraConfig(True, 4, 8.0, 0.0, ["q_proj", "lm_head"]))
+
+
+# ------------------------------------------------------ merged weight stream
+
+
+def test_rollout_weights_are_the_merged_plain_model_and_leave_the_model_unchanged(policy):
+    model = lora_model(policy)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stream = rollout_weights(model)
+    assert inspect.isgenerator(stream)  # streamed, not a dict of everything
+    pushed = dict(stream)
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    expected = dict(merged.named_parameters())
+    assert set(pushed) == set(expected)
+    assert not any("base_model" in n or "base_layer" in n or "lora_" in n for n in pushed)
+    for name, t in pushed.items():
+        assert torch.equal(t, expected[name]), name
+    # The merge is real: adapted layers differ from the base, others do not.
+    plain = dict(policy.model.named_parameters())
+    assert not torch.equal(pushed["model.layers.3.self_attn.q_proj.weight"], plain["model.layers.3.self_attn.q_proj.weight"])
+    assert torch.equal(pushed["model.layers.3.self_attn.k_proj.weight"], plain["model.layers.3.self_attn.k_proj.weight"])
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "the stream changed the model"
+    assert not any(m.merged for m in model.modules() if hasattr(m, "merged"))
+
+
+# ----------------------------------------------------- one trainer step
+
+
+def test_one_lora_rl_step_moves_only_adapters_and_fused_and_reference_paths_agree(
+        policy, tokenizer, trajectories, tmp_path):
+    model = lora_model(policy)
+    base_before = {n: p.detach().clone() for n, p in base_params(model).items()}
+    lora_before = {n: p.detach().clone() for n, p in lora_params(model).items()}
+    assert not any(p.requires_grad for p in base_params(model).values())
+
+    # The reference is the base: adapters off equals the plain policy, and
+    # differs from the adapted model (so switching them off matters).
+    batch = pack(trajectories)
+    with torch.no_grad():
+        ref = reference_logprobs(model, batch, fused=True, temperature=1.0)
+        plain_ref = reference_logprobs(policy.model, batch, fused=True, temperature=1.0)
+        adapted = token_logprobs(model, batch, fused=True)
+    torch.testing.assert_close(ref, plain_ref, atol=1e-5, rtol=1e-5)
+    assert (adapted - ref[batch.loss_mask]).abs().max() > 1e-3
+
+    settings = RLLossSettings(beta=0.1)
+    results = {}
+    for fused in (True, False):
+        ctx = make_ctx(tmp_path / str(fused), tokenizer, policy, *(["--fused"] if fused else []))
+        model.zero_grad(set_to_none=True)
+        model.train()
+        stats = rl_update(ctx, model, model, trajectories, settings, "group")
+        assert model.training, "the reference pass must leave the policy in training mode"
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[fused] = (stats, grads)
+    (fs, fg), (ps, pg) = results[True], results[False]
+    assert fs["kl"] > 0 and abs(fs["adv_abs_mean"]) > 0
+    for key in ("loss", "kl", "entropy"):
+        assert fs[key] == pytest.approx(ps[key], rel=1e-4, abs=1e-4), key
+    assert set(fg) == set(pg) == set(lora_before), "only adapters get gradients"
+    for name in fg:
+        torch.testing.assert_close(fg[name], pg[name], atol=1e-5, rtol=1e-3)
+
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 1, 0.0)
+    assert clip_and_step(model, optimizer, scheduler, 1.0) > 0
+    assert all(torch.equal(p, base_before[n]) for n, p in base_params(model).items())
+    assert all(not torch.equal(p, lora_before[n]) for n, p in lora_params(model).items() if "lora_A" in n)
+
+
+def test_lora_sft_step_moves_only_adapters(policy, tokenizer, trajectories, tmp_path):
+    ctx = make_ctx(tmp_path, tokenizer, policy, "--fused", "--sft.lr", "1e-3", "--sft.batch_size", "4",
+                   "--sft.epochs", "1")
+    model = lora_model(policy)
+    batch = pack(trajectories)
+    with torch.no_grad():
+        nll_fused, _ = sft_loss(model, batch, fused=True)
+        nll_plain, _ = sft_loss(model, batch, fused=False)
+    torch.testing.assert_close(nll_fused, nll_plain, atol=1e-4, rtol=1e-4)
+    base_before = {n: p.detach().clone() for n, p in base_params(model).items()}
+    lora_before = {n: p.detach().clone() for n, p in lora_params(model).items()}
+    finetune(ctx, "sft", model, trajectories, ctx.cfg.sft)
+    assert all(torch.equal(p, base_before[n]) for n, p in base_params(model).items())
+    moved = [n for n, p in lora_params(model).items() if not torch.equal(p, lora_before[n])]
+    assert len(moved) == len(lora_before)
+    with torch.no_grad():
+        assert sft_loss(model, batch, fused=True)[0] < nll_fused
+
+
+def test_adapters_off_restores_adapters_and_mode(policy, trajectories):
+    model = lora_model(policy)
+    batch = pack(trajectories)
+    with torch.no_grad():
+        on = token_logprobs(model, batch, fused=True)
+        model.train()
+        with adapters_off(model):
+            assert not model.training
+        assert model.training
+        torch.testing.assert_close(token_logprobs(model, batch, fused=True), on, atol=0, rtol=0)
+
+
+# ------------------------------------------------------- export and resume
+
+
+def test_export_is_the_merged_plain_model_plus_the_adapter(policy, tokenizer, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ctx = make_ctx(tmp_path, tokenizer, policy)
+    model = lora_model(policy)
+    folder = ctx.export_model("rctp", model)
+    assert folder == ctx.stage_model_dir("rctp") and (folder / "tokenizer.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder))
+    assert not is_lora(loaded)
+    got = dict(loaded.named_parameters())
+    expected = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    adapter = load_file(str(folder / ADAPTER_DIR / "adapter_model.safetensors"))
+    assert (folder / ADAPTER_DIR / "adapter_config.json").is_file()
+    assert len(adapter) == len(lora_params(model)) and all(".lora_" in k for k in adapter)
+
+
+def test_resume_restores_adapters_optimizer_and_step(policy, tokenizer, trajectories, tmp_path):
+    ctx = make_ctx(tmp_path, tokenizer, policy, "--fused")
+    model = lora_model(policy)
+    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 4, 0.5)
+    model.train()
+    rl_update(ctx, model, model, trajectories, RLLossSettings(beta=0.1), "group")
+    clip_and_step(model, optimizer, scheduler, 1.0)
+    ctx.save("rc-grpo", 1, model, optimizer, scheduler)
+    ckpt = ctx.checkpoint_root("rc-grpo") / "ckpt-00000001" / "model"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+
+    resumed_ctx = make_ctx(tmp_path, tokenizer, policy, "--fused", "--resume")
+    other = lora_model(policy, seed=1)
+    opt2, sched2 = make_optimizer(other, 1e-3, 0.0, 4, 0.5)
+    assert resumed_ctx.resume("rc-grpo", other, opt2, sched2) == 1
+    want, got = lora_params(model), lora_params(other)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    s1, s2 = optimizer.state_dict(), opt2.state_dict()
+    assert s1["state"].keys() == s2["state"].keys() and s2["state"]
+    for k in s1["state"]:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s1["state"][k][field], s2["state"][k][field])
+    assert sched2.last_epoch == scheduler.last_epoch == 1
+
+    # A LoRA checkpoint does not load into a full-weight run (and says why).
+    with pytest.raises(CheckpointError, match="model.lora.enabled true"):
+        resumed_ctx.resume("rc-grpo", copy.deepcopy(policy.model), None, None)
+
+
+def test_gradient_checkpointing_keeps_adapter_gradients(policy, trajectories):
+    """Frozen embeddings feed checkpointed blocks: without peft's input-grad
+    hook the adapters inside would get no gradient."""
+    batch = pack(trajectories)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # the same random A both times
+        model = wrap(copy.deepcopy(policy.model), LoraConfig(True, 4, 8.0, 0.0, list(TARGETS)), checkpointing)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.01)
+        model.train()
+        sft_loss(model, batch, fused=True)[0].backward()
+        grads.append({n: p.grad for n, p in lora_params(model).items()})
+    assert unwrap(model).is_gradient_checkpointing
+    for name, g in grads[0].items():
+        assert grads[1][name] is not None, name
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4)
+
+
+def test_trainer_lora_stage_exports_merged_model_and_resumes_to_the_same_weights(tokenizer, tmp_path, capsys):
+    """`python -m rcgrpo.train` with LoRA: the stage folder is the merged plain
+    model (+ adapter/), checkpoints hold the adapter, and a run resumed from
+    its step-1 checkpoint ends with exactly the uninterrupted run's weights."""
+    from safetensors.torch import load_file
+
+    from rcgrpo.data.rctp import save_records
+    from rcgrpo.train import run
+
+    records = [chat_record(tokenizer, f"List the files, request {i}.", "[ls(a=True)]", HIGH_REWARD, 1.0)
+               for i in range(2)]
+    data = save_records(records, tmp_path / "tiny.jsonl")
+    argv = ["--fused", "--stages", "rctp", "--rctp.data_file", str(data), "--rctp.batch_size", "1",
+            "--rctp.epochs", "1", "--rctp.lr", "1e-3", "--rctp.warmup_ratio", "0", "--run.checkpoint_every", "1",
+            "--run.tensorboard", "false", "--out-dir", str(tmp_path / "runs"), "--name", "lora", *LORA_ARGS]
+    assert run(parse_args(argv)) == 0
+    run_dir = tmp_path / "runs" / "lora"
+    stage_dir = run_dir / "models" / "rctp"
+    ckpt = run_dir / "checkpoints" / "rctp" / "ckpt-00000001" / "model"
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["adapter_model.safetensors"]
+    assert (stage_dir / ADAPTER_DIR / "adapter_config.json").is_file()
+    finished = load_file(str(stage_dir / "model.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.weight" in finished and not any("lora" in k for k in finished)
+
+    # Lose the finished stage; --resume continues from the step-1 checkpoint.
+    (run_dir / "stages" / "rctp.done").unlink()
+    shutil.rmtree(stage_dir)
+    capsys.readouterr()
+    assert run(parse_args(argv + ["--resume"])) == 0
+    assert "resumed from" in capsys.readouterr().err  # not a fresh start that happens to match
+    # Step 2 from the restored adapters, optimizer and scheduler state: Adam's
+    # second step depends on its moments, so only a full restore matches.
+    resumed = load_file(str(stage_dir / "model.safetensors"))
+    assert resumed.keys() == finished.keys()
+    assert all(torch.equal(resumed[k], finished[k]) for k in finished)

@@ -1,0 +1,34 @@
+"""`data.entry_ids`: train on named entries; a wrong id is named, never ignored."""
+import pytest
+
+from rcgrpo.config import parse_args
+from rcgrpo.envs.split import recorded_test_ids
+from rcgrpo.models import load_tokenizer, resolve_model_folder
+from rcgrpo.train import training_entries
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model_folder(None))
+
+
+def test_entry_ids_select_exactly_those(tokenizer):
+    cfg = parse_args(["--data.categories", "base", "--data.entry_ids", "multi_turn_base_104,multi_turn_base_100"])
+    assert cfg.data.train_subset == 4  # the cpu-small preset's subset does not drop named entries
+    assert [e.id for e in training_entries(cfg, tokenizer)] == ["multi_turn_base_100", "multi_turn_base_104"]
+
+
+@pytest.mark.parametrize("bad, needle", [("no_such_entry", "not training entries"), (None, "not training entries")])
+def test_unknown_or_held_out_ids_are_named(tokenizer, bad, needle):
+    bad = bad or f"multi_turn_base_{recorded_test_ids()[0]}"  # held out for the test split
+    cfg = parse_args(["--data.categories", "base", "--data.entry_ids", f"multi_turn_base_100,{bad}"])
+    with pytest.raises(SystemExit, match=needle) as e:
+        training_entries(cfg, tokenizer)
+    assert bad in str(e.value)
+
+
+def test_named_entry_over_the_prompt_budget_is_named(tokenizer):
+    cfg = parse_args(["--data.categories", "base", "--data.entry_ids", "multi_turn_base_100",
+                      "--data.max_prompt_tokens", "500", "--grpo.max_total_tokens", "4096"])
+    with pytest.raises(SystemExit, match="over data.max_prompt_tokens=500"):
+        training_entries(cfg, tokenizer)
