@@ -190,12 +190,17 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for arm, res in results["arms"].items():
-        steps = [r["step"] for r in res["steps"]]
-        axes[0].plot(steps, [r["zero_var_frac"] for r in res["steps"]], marker="o", label=arm)
-        axes[1].plot(steps, [r["reward_mean"] for r in res["steps"]], marker="o", label=arm)
-    axes[0].set(title="groups with zero reward variance", xlabel="RL step", ylim=(-0.05, 1.05))
-    axes[1].set(title="mean reward", xlabel="RL step", ylim=(-0.05, 1.05))
+    # Arms often coincide on a few steps: distinct markers, dashes and a small
+    # sideways shift keep every arm visible.
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
+    for k, (arm, res) in enumerate(results["arms"].items()):
+        marker, dash = styles[k % len(styles)]
+        steps = [r["step"] + 0.04 * (k - 1) for r in res["steps"]]
+        for ax, key in zip(axes, ("zero_var_frac", "reward_mean")):
+            ax.plot(steps, [r[key] for r in res["steps"]], marker=marker, linestyle=dash, label=arm)
+    for ax, title in zip(axes, ("groups with zero reward variance", "mean reward")):
+        ax.set(title=title, xlabel="RL step", ylim=(-0.05, 1.05))
+        ax.xaxis.get_major_locator().set_params(integer=True)
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -211,6 +216,9 @@ def main(argv=None) -> int:
     results = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "finetune": {},
                "arms": {}}
     starts = {}
+    previous = args.out / "mechanism.json"
+    if args.report_only and previous.exists():
+        results["finetune"] = json.loads(previous.read_text()).get("finetune", {})
     for kind in sorted({a.split("+")[0] for a in arms}, reverse=True):  # sft first
         if args.report_only:
             rounds = sorted(args.out.glob(f"{kind}-round*/models/{kind}"))

@@ -76,12 +76,17 @@ def init(device_type: str, timeout_s: float = 1800.0) -> World:
 def shutdown() -> None:
     if not active():
         return
-    # vLLM's engines made sub-groups of the default group; they go first
-    # (vLLM would otherwise try to destroy them after the group is gone).
+    # vLLM's engines made sub-groups of the default group and a world group
+    # of their own; they go first, through vLLM, which forgets them (its
+    # exit-time engine cleanup would otherwise destroy them again after the
+    # default group is gone and print "Invalid process group specified").
     parallel_state = sys.modules.get("vllm.distributed.parallel_state")
-    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if parallel_state is not None:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()  # also ends the default group
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def active() -> bool:
