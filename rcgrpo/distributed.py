@@ -90,7 +90,10 @@ def shutdown() -> None:
 
 
 def active() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """A torchrun world that this process joined. An in-process vLLM engine
+    initialises a process group of one in a plain process too; that is not
+    a distributed run (sharding a world of one would only cost time)."""
+    return launched() and dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:

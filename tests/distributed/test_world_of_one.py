@@ -20,6 +20,28 @@ def test_without_torchrun_the_helpers_are_a_world_of_one(monkeypatch):
         distributed.shard_model(object())
 
 
+# What an in-process vLLM engine does in a plain `python -m rcgrpo.train`.
+FOREIGN_GROUP = """
+import socket, torch, torch.distributed as dist
+from rcgrpo import distributed
+from rcgrpo.train import sharded
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+layer = torch.nn.Linear(2, 2)
+assert not distributed.active(), "a group of one made by someone else is not a torchrun world"
+assert sharded(layer) is layer and not distributed.is_sharded(layer)
+print("plain")
+"""
+
+
+def test_a_process_group_made_by_vllm_is_not_a_torchrun_world():
+    from tests.distributed.conftest import python
+
+    out = python(["-c", FOREIGN_GROUP], timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "plain", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("n,world", [(8, 2), (5, 2), (1, 2), (7, 3), (2, 4)])
 def test_rank_slices_cover_the_step_once_in_order(n, world):
     items = list(range(n))
