@@ -93,7 +93,7 @@ def evaluate_model(args) -> int:
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from rcgrpo.evaluate import evaluate, select_entries, write_eval
+    from rcgrpo.evaluate import evaluate, named_entries, select_entries, write_eval
     from rcgrpo.models import load_tokenizer, resolve_model_folder
     from rcgrpo.rollout import make_engine
 
@@ -105,10 +105,7 @@ def evaluate_model(args) -> int:
     entries = select_entries(args.split, categories, args.subset)
     if args.ids:
         wanted = [i.strip() for i in args.ids.split(",") if i.strip()]
-        missing = sorted(set(wanted) - {e.id for e in entries})
-        if missing:
-            raise SystemExit(f"--ids: {missing} are not in the {args.split} split of {categories}")
-        entries = [e for e in entries if e.id in set(wanted)]
+        entries = named_entries(entries, wanted, "--ids", f"in the {args.split} split of {categories}")
     kwargs = {} if args.engine == "hf" else {"max_model_len": args.max_total_tokens}
     engine = make_engine(args.engine, folder, **kwargs)
     result = evaluate(engine, load_tokenizer(folder), entries, args.conditioning, greedy=True,

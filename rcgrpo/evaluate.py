@@ -29,6 +29,17 @@ def select_entries(split: str, categories: Sequence[str], subset: int | None) ->
     return out
 
 
+def named_entries(pool: Sequence, ids: Sequence[str], label: str, where: str) -> list:
+    """The entries of `pool` (in its order) whose ids are in `ids`; an id not
+    in the pool stops with a message naming it (`label`: the setting or flag,
+    `where`: what the pool is)."""
+    wanted, known = set(ids), {e.id for e in pool}
+    missing = [i for i in ids if i not in known]
+    if missing:
+        raise SystemExit(f"{label}: {missing} are not {where}")
+    return [e for e in pool if e.id in wanted]
+
+
 def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", greedy: bool = True,
              max_new_tokens: int = 512, max_total_tokens: int = 8192, temperature: float = 1.0,
              seed: int = 0, doc_style: str = "compact") -> dict:

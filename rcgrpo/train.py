@@ -42,15 +42,13 @@ def training_entries(cfg: Config, tokenizer) -> list:
     """Training split of the configured categories whose opening prompt fits
     `data.max_prompt_tokens`, optionally a seeded subset."""
     from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
+    from rcgrpo.evaluate import named_entries
     from rcgrpo.prompts import ChatTokens, initial_messages
 
     train, _ = split_train_test(load_entries(cfg.data.categories))
     if cfg.data.entry_ids is not None:
-        known = {e.id for e in train}
-        unknown = [i for i in cfg.data.entry_ids if i not in known]
-        if unknown:
-            raise SystemExit(f"data.entry_ids: {unknown} are not training entries of categories {cfg.data.categories}")
-        train = [e for e in train if e.id in set(cfg.data.entry_ids)]
+        train = named_entries(train, cfg.data.entry_ids, "data.entry_ids",
+                              f"training entries of categories {cfg.data.categories}")
     chat = ChatTokens(tokenizer)
     fitting = [
         e for e in train

@@ -49,19 +49,9 @@ class RunContext:
         model), with its adapter alone in `adapter/` inside the folder."""
         if distributed.is_sharded(model):
             return self._export_gathered(stage, model)
-        final = self.stage_model_dir(stage)
-        tmp = final.with_name(final.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
         if is_lora(model):
-            save_merged(model, tmp)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True)
-        self.tokenizer.save_pretrained(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        return final
+            return self._replace_model_dir(stage, lambda tmp: save_merged(model, tmp))
+        return self._replace_model_dir(stage, lambda tmp: model.save_pretrained(tmp, safe_serialization=True))
 
     def _export_gathered(self, stage: str, model) -> Path:
         """FSDP: every rank joins the gather, rank 0 writes the same plain
@@ -69,17 +59,24 @@ class RunContext:
         from rcgrpo.training.sharded_state import gathered_model_state
 
         state = gathered_model_state(model)
-        final = self.stage_model_dir(stage)
         if distributed.is_main():
-            tmp = final.with_name(final.name + ".tmp")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
-            self.tokenizer.save_pretrained(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            self._replace_model_dir(
+                stage, lambda tmp: model.save_pretrained(tmp, safe_serialization=True, state_dict=state))
         distributed.barrier()
+        return self.stage_model_dir(stage)
+
+    def _replace_model_dir(self, stage: str, write_model) -> Path:
+        """`write_model(tmp)` plus the tokenizer into a temporary sibling, then
+        swapped in for the stage's folder: a reader never sees half a model."""
+        final = self.stage_model_dir(stage)
+        tmp = final.with_name(final.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        write_model(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
         return final
 
     def checkpoint_root(self, stage: str) -> Path:
