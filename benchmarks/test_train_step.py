@@ -21,22 +21,26 @@ STEP_SCRIPT = r"""
 import dataclasses, json, resource, sys, time, torch
 import kernels
 from rcgrpo.batch import accumulation_weight, pack_micro_batches
-from rcgrpo.models import load_policy
+from rcgrpo.config import parse_args
+from rcgrpo.models import load_tokenizer, resolve_model_folder
+from rcgrpo.policy import TrainablePolicy
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss
+from rcgrpo.training.optimizer import make_optimizer
 from benchmarks.test_train_step import fixed_batch
 fused = sys.argv[1] == "fused"
-policy = load_policy()
-batch = fixed_batch(policy.tokenizer)
+folder = resolve_model_folder(None)
+policy = TrainablePolicy.load(folder, parse_args([], check_files=False).model, torch.device("cpu"), reference=True)
+batch = fixed_batch(load_tokenizer(folder))
 batch = dataclasses.replace(batch, advantages=kernels.group_advantages(batch.rewards, batch.seq_group))
-batch = dataclasses.replace(batch, ref_logp=reference_logprobs(policy.model, batch, True, 1.0))
-opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
+batch = dataclasses.replace(batch, ref_logp=reference_logprobs(policy, batch, True, 1.0))
+opt, _ = make_optimizer(policy, 1e-6, 0.0, 1, 0.0)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 total = 0.0
 # As the trainer does: token-balanced micro-batches (one sequence each here;
 # an N x N block mask over several 3k-token sequences does not fit on CPU).
 for micro in pack_micro_batches(batch, 4096):
-    loss, _ = rl_loss(policy.model, micro, RLLossSettings(beta=0.1), fused=fused)
+    loss, _ = rl_loss(policy.lm, micro, RLLossSettings(beta=0.1), fused=fused)
     weight = accumulation_weight(micro, batch, "grpo")
     (loss * weight).backward()
     total += float(loss) * weight

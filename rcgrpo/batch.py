@@ -1,4 +1,4 @@
-"""Trajectories -> one packed batch, micro-batches, and a packed model forward.
+"""Trajectories -> one packed batch, and micro-batches of it.
 
 This module implements the packed-batch contract of DESIGN.md: every
 trajectory of a step is concatenated into one row of ``N`` tokens, no padding,
@@ -29,15 +29,9 @@ unshifted mask is kept as ``sampled_mask`` and
 ``kernels.packing.next_token_targets(input_ids, sampled_mask, cu_seqlens)``
 returns exactly ``(targets, loss_mask)`` of this module (tested).
 
-Attention
----------
-``position_ids`` restart at 0 per sequence, but they are NOT a reliable way to
-keep packed sequences apart in transformers: with the model's default
-``use_cache=True`` (transformers 5.19) the packing detection is skipped and
-sequences attend to each other. ``packed_forward`` therefore passes an explicit
-block-diagonal causal mask on CPU (bool for ``sdpa``; an additive float mask
-for ``eager``, which adds a bool mask as 0/1 and silently gets it wrong), and
-flash-attn's varlen ``cu_seqlens`` on GPU, where an N x N mask is too big.
+This module is data only: the model's forward over a packed batch is
+``rcgrpo.policy.TrainablePolicy`` (attention kept inside each sequence by
+``rcgrpo.attention``).
 """
 
 from __future__ import annotations
@@ -48,8 +42,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from rcgrpo.lora import unwrap
-
 __all__ = [
     "Trajectory",
     "PackedBatch",
@@ -58,11 +50,6 @@ __all__ = [
     "pack_micro_batches",
     "accumulation_weight",
     "loss_normaliser",
-    "block_causal_mask",
-    "additive_mask",
-    "packed_forward",
-    "uses_varlen_attention",
-    "default_attn_implementation",
 ]
 
 
@@ -350,96 +337,3 @@ def accumulation_weight(micro: PackedBatch, full: PackedBatch | None, loss_type:
     num = loss_normaliser(micro, loss_type)
     den = loss_normaliser(full, loss_type) if total is None else total
     return num / den if den else 0.0
-
-
-def block_causal_mask(cu_seqlens: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """[1, 1, N, N] bool: True where query i may attend key j (same sequence, j <= i).
-
-    N^2 memory: meant for CPU-sized batches and for tests; GPUs use varlen
-    flash attention instead.
-    """
-    cu = cu_seqlens.long().cpu()
-    lens = cu[1:] - cu[:-1]
-    n = int(cu[-1])
-    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    idx = torch.arange(n)
-    mask = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
-    return mask[None, None].to(device if device is not None else cu_seqlens.device)
-
-
-def additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where allowed, the dtype's most negative value where not: the form the
-    ``eager`` attention adds to its scores (a bool mask would be added as 0/1)."""
-    out = torch.zeros(bool_mask.shape, dtype=dtype, device=bool_mask.device)
-    return out.masked_fill_(~bool_mask, torch.finfo(dtype).min)
-
-
-def default_attn_implementation(device: torch.device | str) -> str:
-    """What ``model.attn_implementation = "auto"`` means: flash-attn's varlen
-    kernel on CUDA when the package is installed (no N x N mask), else sdpa."""
-    import importlib.util
-
-    if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
-def uses_varlen_attention(model) -> bool:
-    """True when the model's attention is a flash-attn implementation, which
-    takes sequence boundaries (cu_seqlens) instead of an N x N mask."""
-    impl = str(getattr(model.config, "_attn_implementation", "") or "")
-    return "flash" in impl
-
-
-def packed_forward(model, batch: PackedBatch) -> torch.Tensor:
-    """Final hidden states [N, H] of a HF causal LM on a packed batch.
-
-    Runs ``model.model`` (the decoder without the LM head, so the fused
-    log-prob / loss kernels can project chunk by chunk), with ``use_cache=False``.
-    Attention stays inside each sequence:
-
-    * flash-attn implementations (GPU): ``position_ids`` plus explicit varlen
-      kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``), no N x N mask;
-    * ``sdpa``: a bool block-causal mask [1, 1, N, N];
-    * ``eager``: the same mask in additive float form.
-
-    Other attention implementations (e.g. flex_attention) are refused rather
-    than silently mixing sequences.
-    """
-    # A LoRA PeftModel's `.model` is the whole causal LM, not its decoder; the
-    # transformers model inside still runs the adapters.
-    model = unwrap(model)
-    device = batch.input_ids.device
-    # An FSDP-sharded model runs its decoder through the root's forward hooks
-    # (rcgrpo.distributed.shard_model); a plain one calls it directly.
-    decoder = getattr(model, "fsdp_decoder", None) or model.model
-    ids = batch.input_ids[None]
-    pos = batch.position_ids[None]
-    impl = str(getattr(model.config, "_attn_implementation", "") or "sdpa")
-    if uses_varlen_attention(model):
-        cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
-        out = decoder(
-            input_ids=ids,
-            position_ids=pos,
-            use_cache=False,
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=batch.max_seqlen,
-            max_length_k=batch.max_seqlen,
-        )
-    elif impl in ("sdpa", "eager") and batch.num_seqs == 1:
-        # One sequence needs no block mask: plain causal attention lets SDPA
-        # use its fused kernel instead of materialising [heads, N, N] scores
-        # for every layer (10 GB for 3k tokens x 30 layers in training).
-        out = decoder(input_ids=ids, position_ids=pos, use_cache=False)
-    elif impl in ("sdpa", "eager"):
-        mask = block_causal_mask(batch.cu_seqlens, device=device)
-        if impl == "eager":
-            mask = additive_mask(mask, model.get_input_embeddings().weight.dtype)
-        out = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
-    else:
-        raise ValueError(
-            f"packed_forward: attention implementation {impl!r} is not supported; "
-            "use 'sdpa' or 'eager' (CPU) or 'flash_attention_2' (GPU)"
-        )
-    return out.last_hidden_state[0]

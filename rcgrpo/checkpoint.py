@@ -41,7 +41,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ __all__ = [
     "list_checkpoints",
     "verify_checkpoint",
     "load_model_weights",
-    "restore_model_weights",
+    "folder_weights",
 ]
 
 FORMAT = 1
@@ -98,12 +98,14 @@ class Checkpoint:
         rng: bool = True,
         generators: Optional[dict[str, torch.Generator]] = None,
     ) -> "Checkpoint":
-        """Load what is given, in place: weights, optimizer, scheduler, RNGs.
+        """Load what is given, in place: weights (of a plain model; a LoRA or
+        sharded policy restores through `rcgrpo.policy.TrainablePolicy.restore`),
+        optimizer, scheduler, RNGs.
 
         Raises CheckpointError if something asked for is not in the checkpoint.
         """
         if model is not None:
-            restore_model_weights(model, self.model_dir)
+            load_model_weights(model, self.model_dir)
         if optimizer is not None:
             optimizer.load_state_dict(self._load_pt("optimizer.pt"))
         if scheduler is not None:
@@ -368,24 +370,18 @@ def load_latest(root: str | os.PathLike, full_verify: bool = True) -> Optional[C
     return None
 
 
-def restore_model_weights(model: torch.nn.Module, model_dir: str | os.PathLike) -> None:
-    """A checkpoint's weights into ``model``: the full model, or for a LoRA run
-    (whose checkpoints hold the small adapter only) the adapter weights."""
-    from rcgrpo.lora import ADAPTER_CONFIG, is_lora, load_adapter
+def folder_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight in a model folder's safetensors files,
+    read one tensor at a time (what an engine loads from a stage export)."""
+    from safetensors import safe_open
 
-    lora_ckpt = (Path(model_dir) / ADAPTER_CONFIG).is_file()
-    if is_lora(model) != lora_ckpt:
-        raise CheckpointError(
-            f"{model_dir} holds {'LoRA adapter' if lora_ckpt else 'full model'} weights but the model "
-            f"{'has' if is_lora(model) else 'has no'} LoRA adapters: resume with the setting the run was "
-            f"saved with, model.lora.enabled {str(lora_ckpt).lower()}")
-    if lora_ckpt:
-        try:
-            load_adapter(model, model_dir)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{model_dir}: {e}") from e
-    else:
-        load_model_weights(model, model_dir)
+    shards = sorted(Path(model_dir).glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def load_model_weights(model: torch.nn.Module, model_dir: str | os.PathLike) -> None:
@@ -394,15 +390,8 @@ def load_model_weights(model: torch.nn.Module, model_dir: str | os.PathLike) -> 
     Keys the file omits are accepted only when they share storage with a key
     it has (tied embeddings: save_pretrained writes them once).
     """
-    from safetensors.torch import load_file
-
     model_dir = Path(model_dir)
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        weights.update(load_file(str(shard)))
+    weights = dict(folder_weights(model_dir))
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
         raise CheckpointError(f"{model_dir}: weights the model does not have: {result.unexpected_keys[:5]}")

@@ -104,7 +104,16 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = _f(EMBEDDED_MODEL, f"local HF folder, hub id (owner/name), or {EMBEDDED_MODEL}")
-    dtype: str = _f("float32", f"training dtype, one of {DTYPES} (CPU: float32 is fastest)")
+    dtype: str = _f(
+        "float32",
+        f"compute dtype of the matmuls, one of {DTYPES}: bf16/fp16 run under autocast (FSDP2: a mixed-precision "
+        "policy); master weights, gradients and AdamW state stay float32 (CPU: float32 is fastest)",
+    )
+    export_dtype: str = _f(
+        "float32",
+        f"dtype of each stage's exported model (the next stage's start), one of {DTYPES}; float32 keeps every "
+        "update, bfloat16 halves the size and rounds away updates below ~0.4% of a weight",
+    )
     attn_implementation: str = _f(
         "auto", f"one of {ATTN_IMPLEMENTATIONS}; auto = flash_attention_2 on CUDA when installed, else sdpa"
     )
@@ -203,6 +212,9 @@ class RunConfig:
     engine: str = _f("auto", f"rollout engine, one of {ENGINES} (auto: vLLM when installed)")
     engine_tp_size: int = _f(
         1, "torchrun: ranks per tensor-parallel vLLM engine (1 = an engine per rank); divides the world size"
+    )
+    engine_memory_fraction: float = _f(
+        0.5, "CUDA: share of the GPU's memory the vLLM engine takes while awake (it sleeps during updates)"
     )
     dist_timeout_s: float = _f(
         1800.0, "torchrun: seconds a collective waits for a peer before failing (bounds a hang on a dead rank)"
@@ -627,6 +639,9 @@ def validate(cfg: Config, check_files: bool = True) -> None:
 
     m, d, r, s, g, e, run = cfg.model, cfg.data, cfg.rctp, cfg.sft, cfg.grpo, cfg.eval, cfg.run
     need(m.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {m.dtype!r}")
+    need(m.dtype != "float16", "model.dtype float16 is not supported for training (its gradients underflow "
+         "without loss scaling); use bfloat16")
+    need(m.export_dtype in DTYPES, f"model.export_dtype must be one of {DTYPES}, got {m.export_dtype!r}")
     need(m.attn_implementation in ATTN_IMPLEMENTATIONS,
          f"model.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {m.attn_implementation!r}")
     need(not (m.attn_implementation == "flash_attention_2" and run.device == "cpu"),
@@ -702,6 +717,8 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     need(run.grad_accum >= 0, f"run.grad_accum must be >= 0 (0 = automatic), got {run.grad_accum}")
     need(run.device in DEVICES, f"run.device must be one of {DEVICES}, got {run.device!r}")
     need(run.engine in ENGINES, f"run.engine must be one of {ENGINES}, got {run.engine!r}")
+    need(0 < run.engine_memory_fraction < 1,
+         f"run.engine_memory_fraction must be in (0, 1), got {run.engine_memory_fraction}")
     _validate_world(cfg, need)
     need(cfg.data.doc_style in DOC_STYLES, f"data.doc_style must be one of {DOC_STYLES}, got {cfg.data.doc_style!r}")
     need(run.log_every >= 1, f"run.log_every must be >= 1, got {run.log_every}")

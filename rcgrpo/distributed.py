@@ -177,13 +177,20 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-DECODER_METHOD = "fsdp_decoder"  # what batch.packed_forward calls on a sharded model
+DECODER_METHOD = "fsdp_decoder"  # what policy.TrainablePolicy calls on a sharded model
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """FSDP2 (`fully_shard`) per decoder layer, then the whole model as the
     root group (embeddings, final norm, LM head: a tied head stays tied);
     in place, returns `model`.
+
+    `compute_dtype` (bf16 for a bf16 run of fp32 master weights): the shards
+    stay as they are (the optimizer updates them) and each forward gathers
+    them cast to `compute_dtype`; gradients are reduced in fp32
+    (`MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`). None, or the
+    parameters' own dtype, casts nothing (a frozen reference held in the
+    compute dtype).
 
     The losses run the decoder (`model.model`) and then read the LM head's
     weight for the fused projection; they never call the model's own
@@ -198,7 +205,7 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     so the sum is exactly the one-process gradient.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if not active():
         raise DistributedError("shard_model needs a process group: launch with torchrun")
@@ -206,9 +213,12 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     if decoder is None:
         raise DistributedError(f"{type(model).__name__} has no `.model` decoder to shard")
     mesh = init_device_mesh(_collective_device.type, (world_size(),))
+    own = next(model.parameters()).dtype
+    cast = compute_dtype is not None and compute_dtype != own
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if cast else MixedPrecisionPolicy()
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     setattr(model, DECODER_METHOD, decoder.__call__)
     register_fsdp_forward_method(model, DECODER_METHOD)
     for m in model.modules():

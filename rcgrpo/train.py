@@ -11,9 +11,11 @@ This file only orchestrates: every stage lives in its own module.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
 
@@ -77,18 +79,91 @@ def claim_fresh_run_dir(cfg: Config) -> None:
         log_line(f"runs/{base} exists: this run uses {cfg.run_dir} (pass --resume to continue {base})")
 
 
+TRAINING_STAGES = ("sft", "rctp", "grpo", "rc-grpo")
+
+
+def model_shape(name_or_path: str, resolved: Path | None = None):
+    """The shapes the memory plan needs, read without loading weights: a
+    resolved or local folder's config.json and safetensors headers, else a hub
+    model's config.json; None when neither can be read (offline hub id)."""
+    from rcgrpo.memory import ModelShape
+
+    local = resolved or Path(name_or_path).expanduser()
+    if local.is_dir():
+        return ModelShape.from_folder(local)
+    if name_or_path.startswith("embedded:"):
+        return None  # resolved first: a cached conversion, no download
+    try:
+        from transformers import AutoConfig
+
+        return ModelShape.from_config(AutoConfig.from_pretrained(name_or_path).to_dict())
+    except Exception:  # offline, private, or not a transformers model: resolving will say which
+        return None
+
+
+def check_memory_plan(cfg: Config, device: torch.device, shape) -> None:
+    """Refuse, before any weights load, a training stage that cannot fit the
+    device (rcgrpo.memory: weights, gradients, AdamW state, reference,
+    activations and the engine's share, per rank), naming the ways out."""
+    from rcgrpo.memory import check_stage, device_memory_bytes, plan_stage
+
+    pipeline = PIPELINES[cfg.run.pipeline]
+    device_bytes = device_memory_bytes(device)
+    for stage in (s for s in cfg.stages if s in TRAINING_STAGES):
+        earlier = pipeline[:pipeline.index(stage)]
+        # The run's one engine lives on once a stage started it.
+        engine_alive = stage in ("grpo", "rc-grpo") or (
+            "rctp-data" in earlier and "rctp-data" in cfg.stages and not cfg.rctp.data_file)
+        check_stage(plan_stage(shape, cfg, stage, world_size=distributed.world_size(),
+                               local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                               device_type=device.type, device_bytes=device_bytes, engine_alive=engine_alive))
+
+
+class RunEngine:
+    """The run's one rollout engine: started on first use from a model folder
+    (vLLM takes ~20 s to start on CPU) and asleep between rollout phases, so
+    that the updates have the accelerator's memory."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.engine = None
+        self.holds: Path | None = None  # the model folder whose weights it holds; None: other weights
+
+    def start(self, model_dir: Path):
+        """The engine, started now if it is not yet. Called before a stage's
+        policy loads: vLLM reserves its share of the GPU at start and checks
+        that it is free."""
+        if self.engine is None:
+            from rcgrpo.rollout import make_engine
+
+            self.engine = make_engine(self.cfg.run.engine, model_dir, **engine_kwargs(self.cfg, self.device))
+            self.holds = model_dir
+            self.engine.sleep()
+        return self.engine
+
+    @contextlib.contextmanager
+    def phase(self, model_dir: Path):
+        """The engine awake for one rollout phase, holding `model_dir`'s weights."""
+        from rcgrpo.checkpoint import folder_weights
+        from rcgrpo.rollout.engine import awake
+
+        engine = self.start(model_dir)
+        with awake(engine, None if self.holds == model_dir else folder_weights(model_dir)):
+            self.holds = model_dir
+            yield engine
+
+
 def run(cfg: Config) -> int:
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
     from rcgrpo.evaluate import evaluate, select_entries, write_eval
     from rcgrpo.metrics import log_line
-    from rcgrpo.models import load_policy, load_tokenizer, resolve_model_folder
+    from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
+    from rcgrpo.policy import TrainablePolicy
     from rcgrpo.report import write_report
-    from rcgrpo.rollout import make_engine
     from rcgrpo.rollout.agent_loop import RolloutConfig
     from rcgrpo.training.context import RunContext
     from rcgrpo.training.finetune import finetune
     from rcgrpo.training.grpo import train_rl
-    from rcgrpo.training.weight_sync import rollout_weights
 
     seed_everything(cfg.data.seed)
     if not cfg.run.resume:
@@ -96,26 +171,21 @@ def run(cfg: Config) -> int:
             claim_fresh_run_dir(cfg)
         cfg.run.name = distributed.broadcast_object(cfg.run.name)
     device = pick_device(cfg.run.device)
-    dtype = getattr(torch, cfg.model.dtype)
+    shape = model_shape(cfg.model.name_or_path)
+    if shape is not None:
+        check_memory_plan(cfg, device, shape)
     base = resolve_model_folder(cfg.model.name_or_path)
+    if shape is None:
+        check_memory_plan(cfg, device, model_shape(cfg.model.name_or_path, resolved=base))
     tokenizer = load_tokenizer(base)
+    token_ids = list(reward_token_ids(tokenizer).values())
     ctx = RunContext(cfg, device, tokenizer, base)
     if distributed.is_main():
         cfg.save(ctx.run_dir)
     entries = training_entries(cfg, tokenizer)
     log_line(f"run folder {ctx.run_dir}; {len(entries)} training entries; stages {cfg.stages}; fused={cfg.run.fused}")
 
-    engines = []
-
-    def engine_with(model_dir, weights=None):
-        """The one rollout engine of the run, started on first use (vLLM
-        takes ~20 s to start on CPU) and holding `weights` afterwards."""
-        if not engines:
-            engines.append(make_engine(cfg.run.engine, model_dir, **engine_kwargs(cfg, device)))
-        elif weights is not None:
-            engines[0].load_weights(weights)
-        return engines[0]
-
+    engine = RunEngine(cfg, device)
     current = base  # the policy the next stage starts from
     data_path = ctx.run_dir / "rctp_data.jsonl"
     rollout_cfg = RolloutConfig(max_new_tokens=cfg.grpo.max_new_tokens, max_total_tokens=cfg.grpo.max_total_tokens,
@@ -142,81 +212,58 @@ def run(cfg: Config) -> int:
             else:
                 # Every rank starts its engine (vLLM's process groups form
                 # collectively); rank 0 alone builds the set, the others wait.
-                engine = engine_with(current)
-                records = build_rctp(engine, entries, tokenizer, rollout_cfg, cfg.rctp.failure_ratio,
-                                     cfg.rctp.failure_attempts, cfg.rctp.fill_with_perturbed,
-                                     cfg.data.seed) if distributed.is_main() else []
+                with engine.phase(current) as live:
+                    records = build_rctp(live, entries, tokenizer, rollout_cfg, cfg.rctp.failure_ratio,
+                                         cfg.rctp.failure_attempts, cfg.rctp.fill_with_perturbed,
+                                         cfg.data.seed) if distributed.is_main() else []
             if distributed.is_main():
                 save_records(records, data_path)
                 ctx.mark_done(stage, summary(records))
                 log_line(f"[rctp-data] {summary(records)} -> {data_path}")
             distributed.barrier()
         elif stage in ("rctp", "sft"):
-            policy = load_policy(current, dtype=dtype, device=device)
             if stage == "rctp":
                 source = data_path if data_path.exists() or not cfg.rctp.data_file else cfg.rctp.data_file
                 trajectories = [r.trajectory() for r in load_records(source)]
             else:
                 trajectories = [r.trajectory() for r in expert_records(entries, tokenizer, rollout_cfg, tagged=False)]
-            section = cfg.rctp if stage == "rctp" else cfg.sft
-            model = sharded(trainable(cfg, policy.model))
-            finetune(ctx, stage, model, trajectories, section)
-            current = ctx.export_model(stage, model)
+            policy = TrainablePolicy.load(current, cfg.model, device, reference=False, token_ids=token_ids)
+            finetune(ctx, stage, policy, trajectories, cfg.rctp if stage == "rctp" else cfg.sft)
+            current = ctx.export_model(stage, policy)
             ctx.mark_done(stage, {"trajectories": len(trajectories)})
-            del policy, model
-        elif stage in ("grpo", "rc-grpo"):
-            policy = load_policy(current, dtype=dtype, device=device)
-            model = sharded(trainable(cfg, policy.model))
-            # LoRA: the reference is the same model with its adapters off
-            # (reference_logprobs switches them), not a second copy.
-            ref = model if cfg.model.lora.enabled else sharded(
-                load_policy(current, dtype=dtype, device=device).model.eval().requires_grad_(False))
-            engine = engine_with(current, rollout_weights(model))
-            train_rl(ctx, stage, model, ref, engine, entries,
-                     reward_conditioned=cfg.finetune_stage == "rctp")
-            current = ctx.export_model(stage, model)
-            ctx.mark_done(stage, {"steps": cfg.grpo.steps})
-            del policy, model, ref
-        elif stage == "eval":
-            policy = load_policy(current, dtype=dtype, device="cpu")
-            engine = engine_with(current, rollout_weights(policy.model))
             del policy
-            if not distributed.is_main():
-                continue  # rank 0 evaluates; the others only held their engines alongside
-            test = select_entries(cfg.eval.split, cfg.eval.categories, cfg.eval.subset)
-            result = evaluate(engine, tokenizer, test, cfg.eval.conditioning, cfg.eval.greedy,
-                              cfg.eval.max_new_tokens, cfg.grpo.max_total_tokens, cfg.grpo.temperature,
-                              cfg.data.seed, cfg.data.doc_style)
-            _, md_path = write_eval(result, ctx.run_dir, cfg.run.pipeline)
-            print(md_path.read_text())
+        elif stage in ("grpo", "rc-grpo"):
+            live = engine.start(current)
+            # LoRA: the reference is the same model with its adapters off, not a second copy.
+            policy = TrainablePolicy.load(current, cfg.model, device, reference=cfg.grpo.beta > 0,
+                                          token_ids=token_ids)
+            train_rl(ctx, stage, policy, live, entries, reward_conditioned=cfg.finetune_stage == "rctp")
+            engine.holds = None  # the last update's weights were never pushed
+            current = ctx.export_model(stage, policy)
+            ctx.mark_done(stage, {"steps": cfg.grpo.steps})
+            del policy
+        elif stage == "eval":
+            # Rank 0 evaluates; the other ranks only hold their engines alongside.
+            with engine.phase(current) as live:
+                result = evaluate(live, tokenizer, select_entries(cfg.eval.split, cfg.eval.categories, cfg.eval.subset),
+                                  cfg.eval.conditioning, cfg.eval.greedy, cfg.eval.max_new_tokens,
+                                  cfg.grpo.max_total_tokens, cfg.grpo.temperature, cfg.data.seed,
+                                  cfg.data.doc_style) if distributed.is_main() else None
+            if result is not None:
+                _, md_path = write_eval(result, ctx.run_dir, cfg.run.pipeline)
+                print(md_path.read_text())
     if distributed.is_main():
         report = write_report(ctx.run_dir)
         print(f"report: {report}\nplots: {', '.join(str(p) for p in sorted(ctx.run_dir.glob('*.png')))}")
     return 0
 
 
-def sharded(model):
-    """Under torchrun, the model as FSDP2 shards over the ranks; else as is."""
-    return distributed.shard_model(model) if distributed.active() else model
-
-
-def trainable(cfg: Config, model):
-    """The model a training stage updates: the policy, or with model.lora.enabled
-    the policy wrapped with LoRA adapters (only they train)."""
-    if not cfg.model.lora.enabled:
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        return model
-    from rcgrpo.lora import wrap
-
-    return wrap(model, cfg.model.lora, cfg.model.gradient_checkpointing)
-
-
 def engine_kwargs(cfg: Config, device: torch.device) -> dict:
     if cfg.run.engine == "hf":
         return {}
     kwargs = {"dtype": "float32" if device.type == "cpu" else cfg.model.dtype,
-              "max_model_len": cfg.grpo.max_total_tokens, "seed": cfg.data.seed, "kv_cache_gib": 2}
+              "max_model_len": cfg.grpo.max_total_tokens, "seed": cfg.data.seed, "kv_cache_gib": 2,
+              "gpu_memory_utilization": cfg.run.engine_memory_fraction}
     if distributed.active():
         # Under torchrun every rank builds its own in-process engine on the
         # existing process group (what vLLM calls an external launcher);
@@ -233,9 +280,15 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    from rcgrpo.memory import MemoryPlanError
+
     with distributed.guarded():  # a failing rank names itself and exits non-zero
         distributed.init(pick_device(cfg.run.device).type, cfg.run.dist_timeout_s)
-        code = run(cfg)
+        try:
+            code = run(cfg)
+        except MemoryPlanError as exc:
+            print(f"memory plan: {exc}", file=sys.stderr)
+            code = 2
         distributed.shutdown()
     return code
 

@@ -6,8 +6,9 @@ the ids the trainer scores are exactly the ids the engine consumed or produced.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -51,6 +52,22 @@ class Engine(Protocol):
 
     def wake_up(self) -> None:
         """Undo sleep() before the next generate()."""
+
+
+@contextmanager
+def awake(engine: Engine, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> Iterator[Engine]:
+    """One rollout phase: wake the engine, load `weights` if given (the swap
+    happens awake: a sleeping vLLM engine has no weights to overwrite), hand
+    it over, and put it back to sleep afterwards, so that the update that
+    follows has the accelerator's memory. On CPU and for the HF engine
+    sleep/wake are no-ops."""
+    engine.wake_up()
+    try:
+        if weights is not None:
+            engine.load_weights(weights)
+        yield engine
+    finally:
+        engine.sleep()
 
 
 # Wrappers a trainer may leave on parameter names (DDP, torch.compile, PEFT).

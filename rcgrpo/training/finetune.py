@@ -11,9 +11,11 @@ from typing import Sequence
 from rcgrpo import distributed
 from rcgrpo.batch import Trajectory, pack, pack_micro_batches
 from rcgrpo.metrics import progress
-from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+from rcgrpo.policy import TrainablePolicy
+from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import sft_loss
+from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 
 
 def epoch_order(n: int, epochs: int, seed: int) -> list[int]:
@@ -26,16 +28,17 @@ def epoch_order(n: int, epochs: int, seed: int) -> list[int]:
     return order
 
 
-def finetune(ctx: RunContext, stage: str, model, trajectories: Sequence[Trajectory], section) -> dict:
-    """Train `model` in place. `section` is cfg.rctp or cfg.sft (lr, batch_size,
+def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories: Sequence[Trajectory],
+             section) -> dict:
+    """Train `policy` in place. `section` is cfg.rctp or cfg.sft (lr, batch_size,
     epochs, weight_decay, warmup_ratio, max_grad_norm). Resumable."""
     if not trajectories:
         raise ValueError(f"[{stage}] no trajectories to train on")
     order = epoch_order(len(trajectories), section.epochs, ctx.cfg.data.seed)
     total_steps = -(-len(order) // section.batch_size)
-    optimizer, scheduler = make_optimizer(model, section.lr, section.weight_decay, total_steps, section.warmup_ratio)
-    start = ctx.resume(stage, model, optimizer, scheduler)
-    model.train()
+    optimizer, scheduler = make_optimizer(policy, section.lr, section.weight_decay, total_steps, section.warmup_ratio)
+    start = ctx.resume(stage, policy, optimizer, scheduler)
+    policy.train()
     last = {}
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         for step in progress(range(start, total_steps), total=total_steps, initial=start, desc=stage):
@@ -50,7 +53,7 @@ def finetune(ctx: RunContext, stage: str, model, trajectories: Sequence[Trajecto
                 {"loss_tokens": full.num_loss_tokens if full else 0, "tokens": full.num_tokens if full else 0})
             stats_sum, tokens = 0.0, 0
             for micro, padding in lockstep(micros, ctx.device):
-                loss, stats = sft_loss(model, micro, fused=ctx.cfg.run.fused)
+                loss, stats = sft_loss(policy.lm, micro, fused=ctx.cfg.run.fused)
                 weight = 0.0 if padding else stats["loss_tokens"] / max(round(counts["loss_tokens"]), 1)
                 (loss * weight).backward()
                 if not padding:
@@ -58,12 +61,12 @@ def finetune(ctx: RunContext, stage: str, model, trajectories: Sequence[Trajecto
                     tokens += stats["loss_tokens"]
             total = distributed.all_reduce_sum({"nll": stats_sum, "tokens": tokens})
             stats_sum, tokens = total["nll"], round(total["tokens"])
-            grad_norm = clip_and_step(model, optimizer, scheduler, section.max_grad_norm)
+            grad_norm = clip_and_step(policy, optimizer, scheduler, section.max_grad_norm)
             elapsed = time.perf_counter() - t0
             last = log.log(step + 1, loss=stats_sum / max(tokens, 1), grad_norm=grad_norm,
                            lr=scheduler.get_last_lr()[0], tokens_per_s=round(counts["tokens"]) / elapsed,
                            update_s=elapsed, loss_tokens=tokens)
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < total_steps:
-                ctx.save(stage, step + 1, model, optimizer, scheduler)
-    model.eval()
+                ctx.save(stage, step + 1, policy, optimizer, scheduler)
+    policy.eval()
     return last

@@ -22,11 +22,13 @@ from rcgrpo import distributed
 from rcgrpo.batch import Trajectory, accumulation_weight, loss_normaliser, pack, pack_micro_batches
 from rcgrpo.metrics import progress
 from rcgrpo.models import HIGH_REWARD
+from rcgrpo.policy import TrainablePolicy
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
-from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+from rcgrpo.rollout.engine import awake
+from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss
-from rcgrpo.training.weight_sync import rollout_weights
+from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 
 
 def prompt_schedule(num_entries: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
@@ -98,8 +100,8 @@ def to_trajectories(rollouts) -> list[Trajectory]:
     ]
 
 
-def rl_update(ctx: RunContext, model, ref_model, trajectories: Sequence[Trajectory], settings: RLLossSettings,
-              advantage_scale: str) -> dict[str, float]:
+def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[Trajectory],
+              settings: RLLossSettings, advantage_scale: str) -> dict[str, float]:
     """Loss + backward over token-balanced micro-batches of one rollout batch.
 
     Under torchrun, `trajectories` are this rank's whole groups (advantages
@@ -125,10 +127,10 @@ def rl_update(ctx: RunContext, model, ref_model, trajectories: Sequence[Trajecto
     for micro, padding in lockstep(micros, ctx.device):
         if settings.beta > 0:
             micro = dataclasses.replace(
-                micro, ref_logp=reference_logprobs(ref_model, micro, fused, settings.temperature))
+                micro, ref_logp=reference_logprobs(policy, micro, fused, settings.temperature))
         weight = 0.0 if padding else accumulation_weight(micro, None, settings.loss_type,
                                                          total=round(counts["normaliser"]))
-        loss, stats = rl_loss(model, micro, settings, fused)
+        loss, stats = rl_loss(policy.lm, micro, settings, fused)
         (loss * weight).backward()
         if padding:
             continue
@@ -160,15 +162,19 @@ def step_share(schedule_row: Sequence[int], tp_size: int) -> tuple[list[int], in
     return played, start, mine
 
 
-def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Sequence, reward_conditioned: bool) -> dict:
-    """Run the GRPO / RC-GRPO stage in place on `model`; resumable."""
+def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
+             reward_conditioned: bool) -> dict:
+    """Run the GRPO / RC-GRPO stage in place on `policy`; resumable.
+
+    Per step: the engine wakes, takes the policy's current weights (on the
+    first step too: it may hold another stage's weights, or a resumed run's
+    older ones), plays the step's rollouts and goes back to sleep; then the
+    update runs with the accelerator's memory to itself."""
     g = ctx.cfg.grpo
     batch_size = g.batch_size
     schedule = prompt_schedule(len(entries), batch_size, g.steps, ctx.cfg.data.seed)
-    optimizer, scheduler = make_optimizer(model, g.lr, g.weight_decay, g.steps, 0.0)
-    start = ctx.resume(stage, model, optimizer, scheduler)
-    if start:
-        engine.load_weights(rollout_weights(model))
+    optimizer, scheduler = make_optimizer(policy, g.lr, g.weight_decay, g.steps, 0.0)
+    start = ctx.resume(stage, policy, optimizer, scheduler)
     settings = RLLossSettings(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type,
                               max_tokens=float(g.max_total_tokens) if g.loss_type == "dr_grpo" else None)
     last = {}
@@ -184,16 +190,17 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
                 p_high=g.p_high, doc_style=ctx.cfg.data.doc_style, progress=False,
             )
             t0 = time.perf_counter()
-            model.eval()
-            rollouts = run_episodes(engine, ctx.tokenizer, step_entries, g.group_size, rollout_cfg,
-                                    reward_tokens=conditioning(stage, reward_conditioned, len(step_entries) * g.group_size))
+            policy.eval()
+            with awake(engine, policy.rollout_weights()):
+                rollouts = run_episodes(engine, ctx.tokenizer, step_entries, g.group_size, rollout_cfg,
+                                        reward_tokens=conditioning(stage, reward_conditioned,
+                                                                   len(step_entries) * g.group_size))
             rollouts = [r for r in rollouts if lo <= r.group < hi]
             t1 = time.perf_counter()
-            model.train()
-            stats = rl_update(ctx, model, ref_model, to_trajectories(rollouts), settings, g.advantage_scale)
-            grad_norm = clip_and_step(model, optimizer, scheduler, g.max_grad_norm)
-            model.eval()
-            engine.load_weights(rollout_weights(model))
+            policy.train()
+            stats = rl_update(ctx, policy, to_trajectories(rollouts), settings, g.advantage_scale)
+            grad_norm = clip_and_step(policy, optimizer, scheduler, g.max_grad_norm)
+            policy.eval()
             t2 = time.perf_counter()
             everyone = gather_summaries(rollouts, offset)
             generated = sum(s.generated for s in everyone)
@@ -205,5 +212,5 @@ def train_rl(ctx: RunContext, stage: str, model, ref_model, engine, entries: Seq
                 generated_tokens_per_s=generated / max(t1 - t0, 1e-9),
             )
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < g.steps:
-                ctx.save(stage, step + 1, model, optimizer, scheduler)
+                ctx.save(stage, step + 1, policy, optimizer, scheduler)
     return last

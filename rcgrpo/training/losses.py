@@ -1,11 +1,12 @@
 """Losses on a packed batch, on the fused path or the reference path.
 
-Fused (`--fused`): the decoder's final hidden states go straight into
-`kernels.fused_linear_*`, which project only the loss rows onto the
-vocabulary, chunk by chunk (Triton on CUDA, chunked PyTorch on CPU), never
-building [N, V] logits. Reference: the LM head builds full logits and the
-plain PyTorch ops in `kernels.reference` score them. Both compute the same
-numbers (tests/training/test_losses.py).
+Each takes a `PackedLM` (the policy's `policy.lm`, or its reference): final
+hidden states and the LM-head weight in the compute dtype. Fused (`--fused`):
+the hidden states go straight into `kernels.fused_linear_*`, which project
+only the loss rows onto the vocabulary, chunk by chunk (Triton on CUDA,
+chunked PyTorch on CPU), never building [N, V] logits. Reference: full logits
+and the plain PyTorch ops in `kernels.reference`. Both compute the same
+numbers (tests/rollout/test_train_steps.py).
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from rcgrpo.batch import PackedBatch, packed_forward
-from rcgrpo.lora import adapters_off
+from rcgrpo.batch import PackedBatch
+from rcgrpo.policy import PackedLM, TrainablePolicy
 
 
 @dataclass(frozen=True)
@@ -28,30 +29,21 @@ class RLLossSettings:
     max_tokens: float | None = None  # dr_grpo's constant
 
 
-def lm_head_weight(model) -> torch.Tensor:
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("LM heads with a bias are not supported by the packed losses")
-    return head.weight
-
-
-def token_logprobs(model, batch: PackedBatch, fused: bool, temperature: float = 1.0,
+def token_logprobs(lm: PackedLM, batch: PackedBatch, fused: bool, temperature: float = 1.0,
                    hidden: torch.Tensor | None = None) -> torch.Tensor:
     """[M] log-probs of the targets at the M loss positions (in order).
     `hidden` reuses final hidden states already computed for this batch."""
-    hidden = packed_forward(model, batch) if hidden is None else hidden
+    hidden = lm.hidden_states(batch) if hidden is None else hidden
     mask = batch.loss_mask
-    weight = lm_head_weight(model)
     if fused:
-        return kernels.fused_linear_logprobs(hidden[mask], weight, batch.targets[mask], temperature)
-    logits = model.get_output_embeddings()(hidden)
-    return kernels.token_logprobs(logits, batch.targets, temperature, impl="reference")[mask]
+        return kernels.fused_linear_logprobs(hidden[mask], lm.lm_head_weight(), batch.targets[mask], temperature)
+    return kernels.token_logprobs(lm.logits(hidden), batch.targets, temperature, impl="reference")[mask]
 
 
-def sft_loss(model, batch: PackedBatch, fused: bool,
+def sft_loss(lm: PackedLM, batch: PackedBatch, fused: bool,
              hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean negative log-likelihood of the generated (assistant) tokens."""
-    logp = token_logprobs(model, batch, fused, hidden=hidden)
+    logp = token_logprobs(lm, batch, fused, hidden=hidden)
     if logp.numel() == 0:
         return logp.sum(), {"nll": 0.0, "loss_tokens": 0}
     nll = -logp.mean()
@@ -59,19 +51,16 @@ def sft_loss(model, batch: PackedBatch, fused: bool,
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model, batch: PackedBatch, fused: bool, temperature: float,
+def reference_logprobs(policy: TrainablePolicy, batch: PackedBatch, fused: bool, temperature: float,
                        hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """[N] log-probs of the frozen reference, 0 off the loss positions.
-
-    `ref_model` may be the LoRA policy itself: its reference is its base, run
-    with the adapters off (rcgrpo.lora), so no second copy of the model."""
+    """[N] log-probs of the policy's frozen reference, 0 off the loss positions."""
     out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
-    with adapters_off(ref_model):
-        out[batch.loss_mask] = token_logprobs(ref_model, batch, fused, temperature, hidden).float()
+    with policy.reference() as ref:
+        out[batch.loss_mask] = token_logprobs(ref, batch, fused, temperature, hidden).float()
     return out
 
 
-def rl_loss(model, batch: PackedBatch, settings: RLLossSettings, fused: bool,
+def rl_loss(lm: PackedLM, batch: PackedBatch, settings: RLLossSettings, fused: bool,
             entropy: bool = True, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped GRPO loss with k3 KL to `batch.ref_logp` (when beta > 0).
 
@@ -85,15 +74,14 @@ def rl_loss(model, batch: PackedBatch, settings: RLLossSettings, fused: bool,
         old_logp=batch.old_logp, ref_logp=ref, eps_low=settings.eps_low, eps_high=settings.eps_high,
         beta=settings.beta, loss_type=settings.loss_type,
     )
-    hidden = packed_forward(model, batch) if hidden is None else hidden
-    weight = lm_head_weight(model)
+    hidden = lm.hidden_states(batch) if hidden is None else hidden
     if fused:
         return kernels.fused_linear_grpo_loss(
-            hidden, weight, batch.targets, batch.advantages, batch.loss_mask, batch.cu_seqlens,
+            hidden, lm.lm_head_weight(), batch.targets, batch.advantages, batch.loss_mask, batch.cu_seqlens,
             temperature=settings.temperature, max_tokens=settings.max_tokens,
             compute_entropy=entropy, **common,
         )
-    logits = model.get_output_embeddings()(hidden).float() / settings.temperature
+    logits = lm.logits(hidden).float() / settings.temperature
     logp = kernels.token_logprobs(logits, batch.targets, 1.0, impl="reference")
     loss, stats = kernels.grpo_loss(
         logp, batch.old_logp, ref, batch.advantages, batch.loss_mask, batch.cu_seqlens,

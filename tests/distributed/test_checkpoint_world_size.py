@@ -19,7 +19,10 @@ def train_args(data, out):
     # 4 trajectories, 2 per step: 2 steps, a checkpoint after step 1.
     return ["-m", "rcgrpo.train", "--fused", "--stages", "rctp-data,rctp", "--rctp.data_file", str(data),
             "--rctp.batch_size", "2", "--rctp.epochs", "1", "--rctp.lr", str(LR), "--run.checkpoint_every", "1",
-            "--run.keep_last", "1", "--out-dir", str(out), "--name", "ws", "--no-run.tensorboard"]
+            "--run.keep_last", "1", "--out-dir", str(out), "--name", "ws", "--no-run.tensorboard",
+            # Short records: a small micro-batch keeps the memory plan of 2
+            # ranks sharing this 24 GB host within it.
+            "--run.micro_batch_tokens", "1024"]
 
 
 def test_two_rank_checkpoint_resumes_in_one_process(tmp_path, tokenizer):

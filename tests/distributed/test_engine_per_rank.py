@@ -16,7 +16,7 @@ from rcgrpo import distributed
 from rcgrpo.models import load_policy
 from rcgrpo.rollout import make_engine
 from rcgrpo.rollout.engine import SamplingConfig
-from rcgrpo.training.weight_sync import rollout_weights
+from rcgrpo.policy import TrainablePolicy
 
 with distributed.guarded():
     distributed.init("cpu", 300)
@@ -32,7 +32,7 @@ with distributed.guarded():
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)  # every rank scales its shard: the engines must see the whole change
-    engine.load_weights(rollout_weights(model))
+    engine.load_weights(TrainablePolicy(model).rollout_weights())
     after = engine.generate([ids], greedy)[0][0].token_ids
     out = {"rank": distributed.rank(), "before": before, "after": after}
     with open(os.path.join(sys.argv[1], f"rank{distributed.rank()}.json"), "w") as f:

@@ -4,9 +4,10 @@ global counts and lock-step micro-batches, FSDP sharding of the policy and
 the reference, global-norm clipping, the weight stream). Rank 0 writes the
 logged statistics and the updated full weights.
 
-    python -m tests.distributed.update_worker ROLLOUTS.jsonl OUT_DIR
-    torchrun --nproc_per_node 2 -m tests.distributed.update_worker ROLLOUTS.jsonl OUT_DIR
+    python -m tests.distributed.update_worker ROLLOUTS.jsonl OUT_DIR [COMPUTE_DTYPE [MODEL]]
+    torchrun --nproc_per_node 2 -m tests.distributed.update_worker ROLLOUTS.jsonl OUT_DIR [COMPUTE_DTYPE [MODEL]]
 
+MODEL: a token-extended model folder (default: the embedded SmolLM2).
 Also builds the rollouts file: short real conversations of the small model's
 tokenizer, G per prompt with different rewards (non-zero advantages), and
 lengths that give the ranks different micro-batch counts.
@@ -48,42 +49,45 @@ def build_rollouts(tokenizer, path: Path, groups: int = 4) -> Path:
     return path
 
 
-def main(rollouts: str, out_dir: str) -> int:
+def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str | None = None) -> int:
     from rcgrpo import distributed
     from rcgrpo.batch import Trajectory
     from rcgrpo.config import parse_args
-    from rcgrpo.models import load_policy, resolve_model_folder
-    from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+    from rcgrpo.models import load_tokenizer, resolve_model_folder
+    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.training.context import RunContext
     from rcgrpo.training.grpo import rl_update
     from rcgrpo.training.losses import RLLossSettings
-    from rcgrpo.training.weight_sync import rollout_weights
+    from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 
     with distributed.guarded():
         distributed.init("cpu", timeout_s=120)
         torch.manual_seed(0)
-        cfg = parse_args(["--fused", "--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS)], check_files=False)
-        folder = resolve_model_folder(None)
-        policy = load_policy(folder)
+        cfg = parse_args(["--fused", "--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS), "--model.dtype", dtype],
+                         check_files=False)
+        folder = resolve_model_folder(model_folder)
+        # As a stage loads it: fp32 master weights, `dtype` compute, a frozen
+        # reference; FSDP2 shards (with the mixed-precision policy) under torchrun.
+        policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=True)
         model = policy.model
-        ref = load_policy(folder).model.eval().requires_grad_(False)
-        with torch.no_grad():  # a reference unlike the policy: the KL term is not zero
-            ref.model.norm.weight.mul_(1.05)
-        if distributed.active():
-            distributed.shard_model(model)
-            distributed.shard_model(ref)
+        with torch.no_grad():  # a policy unlike its reference: the KL term is not zero
+            model.model.norm.weight.mul_(1.05)
         rows = [json.loads(line) for line in Path(rollouts).read_text().splitlines()]
         groups = sorted({r["group"] for r in rows})
         lo, hi = distributed.rank_slice(groups)
         mine = [Trajectory(r["token_ids"], r["sample_mask"], group=r["group"], reward=r["reward"])
                 for r in rows if r["group"] in groups[lo:hi]]
-        ctx = RunContext(cfg, torch.device("cpu"), policy.tokenizer, folder)
-        optimizer, scheduler = make_optimizer(model, LR, 0.0, 1, 0.0)
-        model.train()
+        ctx = RunContext(cfg, torch.device("cpu"), load_tokenizer(folder), folder)
+        optimizer, scheduler = make_optimizer(policy, LR, 0.0, 1, 0.0)
+        policy.train()
         distributed.barrier()
         t0 = time.perf_counter()  # the trainer's update phase: loss, backward, step, weight stream
-        stats = rl_update(ctx, model, ref, mine, RLLossSettings(beta=0.1), "group")
-        stats["grad_norm"] = clip_and_step(model, optimizer, scheduler, 1.0)
-        weights = {name: t.clone() for name, t in rollout_weights(model)}
+        stats = rl_update(ctx, policy, mine, RLLossSettings(beta=0.1), "group")
+        stats["grad_norm"] = clip_and_step(policy, optimizer, scheduler, 1.0)
+        weights = {name: t.clone() for name, t in policy.rollout_weights()}
+        stats["weight_dtypes"] = sorted({str(t.dtype) for t in weights.values()})
+        stats["optimizer_dtypes"] = sorted({str(v.dtype) for st in optimizer.state.values()
+                                            for k, v in st.items() if k != "step"})
         stats["update_s"] = time.perf_counter() - t0
         stats["tokens_per_s"] = stats["batch_tokens"] / stats["update_s"]
         if distributed.is_main():
@@ -96,4 +100,4 @@ def main(rollouts: str, out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:5]))

@@ -19,7 +19,13 @@ def test_eval_model_writes_the_table(tmp_path):
                     "--max-total-tokens", "6144", "--doc-style", "compact_no_response", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "eval.json").read_text())
-    assert result["n"] == {"base": 1} and result["conditioning"] == "high"
+    # The embedded model had no reward tokens before rcgrpo added them: unconditioned by default.
+    assert result["n"] == {"base": 1} and result["conditioning"] == "none"
+    settings = result["settings"]
+    assert settings["source"] == "built-in defaults" and settings["conditioning"] == "none"
+    assert (settings["max_new_tokens"], settings["max_total_tokens"], settings["doc_style"]) == (
+        8, 6144, "compact_no_response")
+    assert "settings from built-in defaults: max_new_tokens 8 (flag)" in proc.stdout
     assert 0.0 <= result["overall"] <= 1.0
     (row,) = result["rows"]
     assert row["id"] == wanted and row["end_reason"]

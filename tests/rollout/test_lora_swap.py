@@ -1,6 +1,7 @@
 """The weight swap of a LoRA run: after one real adapter update, the merged
-weights pushed by `rollout_weights` make the in-process vLLM engine score
-tokens as the HF merged model does. Lives here to share the session engine."""
+weights pushed by `TrainablePolicy.rollout_weights` make the in-process vLLM
+engine score tokens as the HF merged model does, and the engine's embedding
+holds the trained reward-token rows. Lives here to share the session engine."""
 import copy
 
 import torch
@@ -8,11 +9,11 @@ import torch
 from rcgrpo.batch import pack
 from rcgrpo.config import LoraConfig
 from rcgrpo.lora import wrap
-from rcgrpo.models import HIGH_REWARD
+from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
+from rcgrpo.policy import TrainablePolicy
 from rcgrpo.rollout.engine import SamplingConfig
-from rcgrpo.training.context import clip_and_step, make_optimizer
 from rcgrpo.training.losses import sft_loss
-from rcgrpo.training.weight_sync import rollout_weights
+from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 
 from tests.training.conftest import chat_record
 
@@ -32,17 +33,25 @@ def test_lora_update_reaches_the_engine_as_merged_weights(vllm_engine, policy, t
     probe = chat_ids("List the files in the current directory.")
     original = greedy(vllm_engine, probe)
     torch.manual_seed(0)
-    model = wrap(copy.deepcopy(policy.model), LoraConfig(True, 8, 16.0, 0.0, ["q_proj", "v_proj", "o_proj", "down_proj"]))
-    records = [chat_record(tokenizer, f"List files {i}", "[ls(a=True)]", HIGH_REWARD, 1.0) for i in range(2)]
+    ids = list(reward_token_ids(tokenizer).values())
+    model = wrap(copy.deepcopy(policy.model), LoraConfig(True, 8, 16.0, 0.0, ["q_proj", "v_proj", "o_proj", "down_proj"]),
+                 ids)
+    lp = TrainablePolicy(model, lora=True)
+    records = [chat_record(tokenizer, f"List files {i}", "[ls(a=True)]", token, 1.0)
+               for i, token in enumerate([HIGH_REWARD, LOW_REWARD])]
     batch = pack([r.trajectory() for r in records])
-    optimizer, scheduler = make_optimizer(model, 2e-2, 0.0, 1, 0.0)
-    model.train()
-    sft_loss(model, batch, fused=True)[0].backward()
-    clip_and_step(model, optimizer, scheduler, 1.0)
-    model.eval()
+    optimizer, scheduler = make_optimizer(lp, 2e-2, 0.0, 1, 0.0)
+    lp.train()
+    sft_loss(lp.lm, batch, fused=True)[0].backward()
+    clip_and_step(lp, optimizer, scheduler, 1.0)
+    lp.eval()
     merged = copy.deepcopy(model).merge_and_unload()  # the HF merged model, for reference
+    trained_rows = merged.get_input_embeddings().weight[ids].detach()
+    assert not torch.equal(trained_rows, policy.model.get_input_embeddings().weight[ids])
     try:
-        vllm_engine.load_weights(rollout_weights(model))  # debug engine: checksums of what was pushed
+        vllm_engine.load_weights(lp.rollout_weights())  # debug engine: checksums of what was pushed
+        engine_rows = vllm_engine.model.model.embed_tokens.weight[ids].float()
+        torch.testing.assert_close(engine_rows, trained_rows, atol=0, rtol=0)
         after = greedy(vllm_engine, probe)
         assert moved(after, original), "the adapter update did not reach the engine"
         outs = vllm_engine.generate([probe], SamplingConfig(temperature=1.0, max_tokens=16, n=2, seed=5))[0]

@@ -1,4 +1,5 @@
 """models.py: the embedded default, reward tokens, the cache, clear errors."""
+import json
 import multiprocessing as mp
 import shutil
 import time
@@ -11,7 +12,7 @@ from rcgrpo import models
 from rcgrpo.models import HIGH_REWARD, LOW_REWARD, ModelFolderError
 
 
-def test_embedded_policy_has_reward_tokens_with_mean_rows_and_tied_embeddings(policy):
+def test_embedded_policy_has_distinct_phrase_mean_reward_rows_and_tied_embeddings(policy):
     model, tok = policy.model, policy.tokenizer
     ids = models.reward_token_ids(tok)
     assert sorted(ids.values()) == [49152, 49153]  # appended after SmolLM2's 49,152
@@ -21,10 +22,132 @@ def test_embedded_policy_has_reward_tokens_with_mean_rows_and_tied_embeddings(po
     assert emb.shape[0] == len(tok) == model.config.vocab_size == 49154
     assert model.config.tie_word_embeddings
     assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
-    mean = emb[:49152].mean(0)
-    for t in (HIGH_REWARD, LOW_REWARD):
-        # bf16 on disk: the stored row is the mean rounded to bf16.
-        torch.testing.assert_close(emb[ids[t]], mean.to(torch.bfloat16).float(), atol=2e-3, rtol=1e-2)
+    for t, phrase in models.REWARD_TOKEN_PHRASES.items():
+        phrase_ids = tok(phrase, add_special_tokens=False)["input_ids"]
+        assert phrase_ids and max(phrase_ids) < 49152
+        # The copy is fp32 like the dequantized GGUF: no rounding to undo.
+        torch.testing.assert_close(emb[ids[t]], emb[phrase_ids].mean(0), atol=1e-6, rtol=0)
+    high, low = emb[ids[HIGH_REWARD]], emb[ids[LOW_REWARD]]
+    assert torch.isfinite(high).all() and torch.isfinite(low).all()
+    assert torch.nn.functional.cosine_similarity(high, low, dim=0) < 0.99
+    assert _saved_dtypes(policy.path) == {torch.float32}
+
+
+def _saved_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    return tensors
+
+
+def _saved_dtypes(folder: Path) -> set:
+    return {t.dtype for t in _saved_tensors(folder).values()}
+
+
+_TOY_WORDS = ["high", "low", "reward", "tool", "call", "user", "answer", *(f"item{c}" for c in "abcdefghijklmnop")]
+
+
+def _toy_tokenizer():
+    """A byte-level BPE like Qwen's: AutoTokenizer reloads it as a Qwen2Tokenizer."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(_TOY_WORDS) for _ in range(12)) for _ in range(200)]
+    inner = Tokenizer(tok_models.BPE())
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    ))
+    return PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def _toy_model(vocab_size: int, tied: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
+
+
+def _toy_folder(path: Path, spare_rows: int, tied: bool) -> tuple[Path, int]:
+    """A tiny bf16 Qwen2 whose embedding has `spare_rows` rows beyond its tokenizer."""
+    tok = _toy_tokenizer()
+    _toy_model(len(tok) + spare_rows, tied).to(torch.bfloat16).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path, len(tok)
+
+
+@pytest.mark.parametrize("spare_rows, tied", [(64, False), (0, False), (0, True), (64, True)])
+def test_toy_model_gets_phrase_mean_rows_without_shrinking_or_rounding(tmp_path, monkeypatch, spare_rows, tied):
+    monkeypatch.setenv("RCGRPO_CACHE", str(tmp_path / "cache"))
+    source, n_tok = _toy_folder(tmp_path / "toy", spare_rows, tied)
+    before = _saved_tensors(source)
+
+    folder = models.resolve_model_folder(source)
+    assert folder != source and folder.is_relative_to(tmp_path / "cache")
+    assert folder.name.endswith(f"-rc-v{models._FORMAT_VERSION}")
+    after = _saved_tensors(folder)
+    assert _saved_dtypes(folder) == {torch.bfloat16}
+    rows = n_tok + max(spare_rows, 2)  # spare rows are reused, never cut
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == rows
+
+    tok = models.load_tokenizer(folder)
+    ids = models.reward_token_ids(tok)
+    assert [ids[HIGH_REWARD], ids[LOW_REWARD]] == [n_tok, n_tok + 1]
+    keys = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    for key in keys:
+        old, new = before[key], after[key]
+        assert new.shape[0] == rows
+        for t, phrase in models.REWARD_TOKEN_PHRASES.items():
+            phrase_ids = tok(phrase, add_special_tokens=False)["input_ids"]
+            assert len(phrase_ids) == 2
+            torch.testing.assert_close(new[ids[t]].float(), old[phrase_ids].float().mean(0), rtol=2**-8, atol=0)
+        others = [i for i in range(old.shape[0]) if i not in ids.values()]
+        assert torch.equal(new[others], old[others])
+        assert not torch.equal(new[ids[HIGH_REWARD]], new[ids[LOW_REWARD]])
+
+    policy = models.load_policy(folder)
+    emb = policy.model.get_input_embeddings().weight
+    assert emb.shape[0] == policy.model.config.vocab_size == rows
+    head_is_emb = policy.model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    assert head_is_emb == tied
+
+
+def _word_tokenizer(vocab: list[str], unk: bool):
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = ["<eos>", *(["[UNK]"] if unk else []), *vocab]
+    ids = {w: i for i, w in enumerate(vocab)}
+    # BPE without merges or unk drops what it cannot spell: the "nothing" case.
+    inner = Tokenizer(tok_models.WordLevel(ids, unk_token="[UNK]") if unk else tok_models.BPE(ids, []))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<eos>", unk_token="[UNK]" if unk else None)
+
+
+@pytest.mark.parametrize("vocab, unk, message", [
+    (["high", "low"], True, "unknown token"),  # "reward" is missing
+    (["x"], False, "tokenises to nothing"),
+])
+def test_reward_phrase_the_tokenizer_cannot_spell_is_a_clear_error(vocab, unk, message):
+    tok = _word_tokenizer(vocab, unk)
+    model = _toy_model(len(tok), tied=False)
+    n_tok, before = len(tok), model.get_input_embeddings().weight.clone()
+    with pytest.raises(ModelFolderError, match=message):
+        models._add_reward_tokens(model, tok)
+    # Checked before anything changed: neither the tokenizer nor the model is half-extended.
+    assert len(tok) == n_tok
+    assert torch.equal(model.get_input_embeddings().weight, before)
 
 
 def test_second_resolve_reuses_the_cache(policy):

@@ -8,16 +8,18 @@ import pytest
 import torch
 
 import kernels
-from rcgrpo.batch import pack, packed_forward
+from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
 from rcgrpo.data.expert import expert_turns, play_script, script_from_turns
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD, load_policy, reward_token_ids
+from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import SamplingConfig
-from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+from rcgrpo.policy import TrainablePolicy
+from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
-from rcgrpo.training.grpo import to_trajectories
+from rcgrpo.training.grpo import rl_update, to_trajectories
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss, sft_loss
+from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 
 from tests.training.conftest import chat_record
 
@@ -72,20 +74,22 @@ def test_reward_tokens_reach_each_rollouts_prompt_as_drawn(vllm_engine, tokenize
 
 
 def test_fused_and_reference_losses_agree_on_a_real_batch(policy, real_group):
-    model = policy.model
+    # The session model as its own reference: one decoder pass, the paths differ after it.
+    trained = TrainablePolicy(policy.model, reference=policy.model)
+    lm = trained.lm
     batch = pack(to_trajectories(real_group))
     batch = dataclasses.replace(batch, advantages=kernels.group_advantages(batch.rewards, batch.seq_group))
     with torch.no_grad():
-        hidden = packed_forward(model, batch)  # one decoder pass; the paths differ after it
-        ref = reference_logprobs(model, batch, fused=True, temperature=1.0, hidden=hidden)
-        ref_slow = reference_logprobs(model, batch, fused=False, temperature=1.0, hidden=hidden)
+        hidden = lm.hidden_states(batch)
+        ref = reference_logprobs(trained, batch, fused=True, temperature=1.0, hidden=hidden)
+        ref_slow = reference_logprobs(trained, batch, fused=False, temperature=1.0, hidden=hidden)
         torch.testing.assert_close(ref, ref_slow, atol=2e-4, rtol=1e-4)
         batch = dataclasses.replace(batch, ref_logp=ref - 0.01 * batch.loss_mask)  # non-zero KL
         settings = RLLossSettings(beta=0.1)
-        fused, fs = rl_loss(model, batch, settings, fused=True, hidden=hidden)
-        plain, ps = rl_loss(model, batch, settings, fused=False, hidden=hidden)
-        nll_f, _ = sft_loss(model, batch, fused=True, hidden=hidden)
-        nll_p, _ = sft_loss(model, batch, fused=False, hidden=hidden)
+        fused, fs = rl_loss(lm, batch, settings, fused=True, hidden=hidden)
+        plain, ps = rl_loss(lm, batch, settings, fused=False, hidden=hidden)
+        nll_f, _ = sft_loss(lm, batch, fused=True, hidden=hidden)
+        nll_p, _ = sft_loss(lm, batch, fused=False, hidden=hidden)
     assert batch.num_loss_tokens > 0 and float(batch.advantages.abs().sum()) > 0
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fs["kl"], ps["kl"], atol=1e-5, rtol=1e-4)
@@ -95,39 +99,38 @@ def test_fused_and_reference_losses_agree_on_a_real_batch(policy, real_group):
 
 def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
         policy, vllm_engine, tokenizer, chat_ids, real_group, tmp_path):
-    cfg = parse_args(["--out-dir", str(tmp_path), "--name", "steps", "--run.checkpoint_every", "0",
+    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "steps", "--run.checkpoint_every", "0",
                       "--rctp.lr", "1e-4", "--rctp.batch_size", "4", "--rctp.epochs", "1",
                       "--run.tensorboard", "false"])
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, policy.path)
-    model = load_policy(policy.path).model  # a copy: the session policy stays as it is
+    # Fresh copies (the session policy stays as it is), loaded as a stage loads them.
+    trained = TrainablePolicy.load(policy.path, cfg.model, torch.device("cpu"), reference=False)
+    model = trained.model
     probe = chat_ids("List the files in the current directory.")
     original = greedy(vllm_engine, probe)
     try:
         # RCTP: one optimizer step on reward-tagged conversations
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         records = [chat_record(tokenizer, f"List files {i}", "[ls(a=True)]", HIGH_REWARD, 1.0) for i in range(4)]
-        finetune(ctx, "rctp", model, [r.trajectory() for r in records], cfg.rctp)
+        finetune(ctx, "rctp", trained, [r.trajectory() for r in records], cfg.rctp)
         changed = [n for n, p in model.named_parameters() if not torch.equal(p, start[n])]
         assert "model.embed_tokens.weight" in changed and len(changed) > 100
-        vllm_engine.load_weights(model.named_parameters())
+        vllm_engine.load_weights(trained.rollout_weights())
         after_rctp = greedy(vllm_engine, probe)
         assert moved(after_rctp, original)
 
-        # RC-GRPO: one update on a real group with reward variance
-        ref = load_policy(policy.path).model.eval().requires_grad_(False)
-        batch = pack(to_trajectories(real_group))
-        batch = dataclasses.replace(batch, advantages=kernels.group_advantages(batch.rewards, batch.seq_group))
-        batch = dataclasses.replace(batch, ref_logp=reference_logprobs(ref, batch, True, 1.0))
-        optimizer, scheduler = make_optimizer(model, 1e-4, 0.0, 1, 0.0)
+        # RC-GRPO: one update on a real group with reward variance, through
+        # the trainer's own update (token-balanced micro-batches; the KL term
+        # is tested beside it, on the same batch)
+        optimizer, scheduler = make_optimizer(trained, 1e-4, 0.0, 1, 0.0)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        model.train()
-        loss, stats = rl_loss(model, batch, RLLossSettings(beta=0.1), fused=True)
-        loss.backward()
-        grad_norm = clip_and_step(model, optimizer, scheduler, 1.0)
-        model.eval()
-        assert grad_norm > 0 and torch.isfinite(loss)
+        trained.train()
+        stats = rl_update(ctx, trained, to_trajectories(real_group), RLLossSettings(beta=0.0), "group")
+        grad_norm = clip_and_step(trained, optimizer, scheduler, 1.0)
+        trained.eval()
+        assert grad_norm > 0 and stats["adv_abs_mean"] > 0 and stats["loss_tokens"] > 0
         assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
-        vllm_engine.load_weights(model.named_parameters())
+        vllm_engine.load_weights(trained.rollout_weights())
         assert moved(greedy(vllm_engine, probe), after_rctp)
     finally:
         vllm_engine.load_weights(policy.model.named_parameters())  # the engine is shared

@@ -20,12 +20,13 @@ from rcgrpo.batch import pack
 from rcgrpo.checkpoint import CheckpointError
 from rcgrpo.config import ConfigError, LoraConfig, parse_args
 from rcgrpo.lora import ADAPTER_DIR, adapters_off, is_lora, unwrap, wrap
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD
-from rcgrpo.training.context import RunContext, clip_and_step, make_optimizer
+from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
+from rcgrpo.policy import TrainablePolicy
+from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
 from rcgrpo.training.grpo import rl_update
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, sft_loss, token_logprobs
-from rcgrpo.training.weight_sync import rollout_weights
+from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 
 from tests.training.conftest import chat_record
 
@@ -35,14 +36,18 @@ LORA_ARGS = ["--model.lora.enabled", "true", "--model.lora.r", "4", "--model.lor
 
 
 def lora_model(policy, seed=0):
-    """A LoRA copy of the session policy (wrapping edits the model in place)."""
-    model = wrap(copy.deepcopy(policy.model), LoraConfig(True, 4, 8.0, 0.0, list(TARGETS)))
+    """A LoRA copy of the session policy (wrapping edits the model in place),
+    as the TrainablePolicy a LoRA stage holds, with trainable reward-token rows."""
+    ids = list(reward_token_ids(policy.tokenizer).values())
+    model = wrap(copy.deepcopy(policy.model), LoraConfig(True, 4, 8.0, 0.0, list(TARGETS)), ids)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
+            if "trainable_tokens_delta" in name:  # moved rows: a merge that forgot them shows
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return TrainablePolicy(model, lora=True)
 
 
 def make_ctx(tmp_path, tokenizer, policy, *extra):
@@ -63,12 +68,13 @@ def trajectories(tokenizer):
     return out
 
 
-def base_params(model):
-    return {n: p for n, p in model.named_parameters() if "lora_" not in n}
+def base_params(lp):
+    return {n: p for n, p in lp.model.named_parameters() if not p.requires_grad}
 
 
-def lora_params(model):
-    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+def lora_params(lp):
+    """What trains under LoRA: the adapters and the two reward-token rows."""
+    return {n: p for n, p in lp.model.named_parameters() if p.requires_grad}
 
 
 # ------------------------------------------------------------------ config
@@ -104,9 +110,10 @@ def test_adapters_on_the_lm_head_are_refused(policy):
 
 
 def test_rollout_weights_are_the_merged_plain_model_and_leave_the_model_unchanged(policy):
-    model = lora_model(policy)
+    lp = lora_model(policy)
+    model = lp.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    stream = rollout_weights(model)
+    stream = lp.rollout_weights()
     assert inspect.isgenerator(stream)  # streamed, not a dict of everything
     pushed = dict(stream)
 
@@ -120,6 +127,14 @@ def test_rollout_weights_are_the_merged_plain_model_and_leave_the_model_unchange
     plain = dict(policy.model.named_parameters())
     assert not torch.equal(pushed["model.layers.3.self_attn.q_proj.weight"], plain["model.layers.3.self_attn.q_proj.weight"])
     assert torch.equal(pushed["model.layers.3.self_attn.k_proj.weight"], plain["model.layers.3.self_attn.k_proj.weight"])
+    # The trained reward-token rows are in the pushed embedding, the rest of it is the base.
+    ids = list(reward_token_ids(policy.tokenizer).values())
+    emb, base_emb = pushed["model.embed_tokens.weight"], plain["model.embed_tokens.weight"]
+    rows = dict(model.named_parameters())["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"]
+    assert torch.equal(emb[ids], rows) and not torch.equal(emb[ids], base_emb[ids])
+    others = torch.ones(emb.shape[0], dtype=torch.bool)
+    others[ids] = False
+    assert torch.equal(emb[others], base_emb[others])
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "the stream changed the model"
     assert not any(m.merged for m in model.modules() if hasattr(m, "merged"))
@@ -130,19 +145,21 @@ def test_rollout_weights_are_the_merged_plain_model_and_leave_the_model_unchange
 
 def test_one_lora_rl_step_moves_only_adapters_and_fused_and_reference_paths_agree(
         policy, tokenizer, trajectories, tmp_path):
-    model = lora_model(policy)
-    base_before = {n: p.detach().clone() for n, p in base_params(model).items()}
-    lora_before = {n: p.detach().clone() for n, p in lora_params(model).items()}
-    assert not any(p.requires_grad for p in base_params(model).values())
+    lp = lora_model(policy)
+    model = lp.model
+    base_before = {n: p.detach().clone() for n, p in base_params(lp).items()}
+    lora_before = {n: p.detach().clone() for n, p in lora_params(lp).items()}
+    assert all("lora_" in n or "trainable_tokens_delta" in n for n in lora_before)
+    assert all(p.dtype == torch.float32 for p in lora_params(lp).values())  # fp32 master weights
 
     # The reference is the base: adapters off equals the plain policy, and
     # differs from the adapted model (so switching them off matters).
     batch = pack(trajectories)
     with torch.no_grad():
-        ref = reference_logprobs(model, batch, fused=True, temperature=1.0)
-        plain_ref = reference_logprobs(policy.model, batch, fused=True, temperature=1.0)
-        adapted = token_logprobs(model, batch, fused=True)
-    torch.testing.assert_close(ref, plain_ref, atol=1e-5, rtol=1e-5)
+        ref = reference_logprobs(lp, batch, fused=True, temperature=1.0)
+        plain = token_logprobs(TrainablePolicy(policy.model).lm, batch, fused=True)
+        adapted = token_logprobs(lp.lm, batch, fused=True)
+    torch.testing.assert_close(ref[batch.loss_mask], plain, atol=1e-5, rtol=1e-5)
     assert (adapted - ref[batch.loss_mask]).abs().max() > 1e-3
 
     settings = RLLossSettings(beta=0.1)
@@ -151,7 +168,7 @@ def test_one_lora_rl_step_moves_only_adapters_and_fused_and_reference_paths_agre
         ctx = make_ctx(tmp_path / str(fused), tokenizer, policy, *(["--fused"] if fused else []))
         model.zero_grad(set_to_none=True)
         model.train()
-        stats = rl_update(ctx, model, model, trajectories, settings, "group")
+        stats = rl_update(ctx, lp, trajectories, settings, "group")
         assert model.training, "the reference pass must leave the policy in training mode"
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[fused] = (stats, grads)
@@ -163,41 +180,68 @@ def test_one_lora_rl_step_moves_only_adapters_and_fused_and_reference_paths_agre
     for name in fg:
         torch.testing.assert_close(fg[name], pg[name], atol=1e-5, rtol=1e-3)
 
-    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 1, 0.0)
-    assert clip_and_step(model, optimizer, scheduler, 1.0) > 0
-    assert all(torch.equal(p, base_before[n]) for n, p in base_params(model).items())
-    assert all(not torch.equal(p, lora_before[n]) for n, p in lora_params(model).items() if "lora_A" in n)
+    optimizer, scheduler = make_optimizer(lp, 1e-3, 0.0, 1, 0.0)
+    assert clip_and_step(lp, optimizer, scheduler, 1.0) > 0
+    assert all(torch.equal(p, base_before[n]) for n, p in base_params(lp).items())
+    assert all(not torch.equal(p, lora_before[n]) for n, p in lora_params(lp).items() if "lora_A" in n)
 
 
 def test_lora_sft_step_moves_only_adapters(policy, tokenizer, trajectories, tmp_path):
     ctx = make_ctx(tmp_path, tokenizer, policy, "--fused", "--sft.lr", "1e-3", "--sft.batch_size", "4",
                    "--sft.epochs", "1")
-    model = lora_model(policy)
+    lp = lora_model(policy)
     batch = pack(trajectories)
     with torch.no_grad():
-        nll_fused, _ = sft_loss(model, batch, fused=True)
-        nll_plain, _ = sft_loss(model, batch, fused=False)
+        nll_fused, _ = sft_loss(lp.lm, batch, fused=True)
+        nll_plain, _ = sft_loss(lp.lm, batch, fused=False)
     torch.testing.assert_close(nll_fused, nll_plain, atol=1e-4, rtol=1e-4)
-    base_before = {n: p.detach().clone() for n, p in base_params(model).items()}
-    lora_before = {n: p.detach().clone() for n, p in lora_params(model).items()}
-    finetune(ctx, "sft", model, trajectories, ctx.cfg.sft)
-    assert all(torch.equal(p, base_before[n]) for n, p in base_params(model).items())
-    moved = [n for n, p in lora_params(model).items() if not torch.equal(p, lora_before[n])]
+    base_before = {n: p.detach().clone() for n, p in base_params(lp).items()}
+    lora_before = {n: p.detach().clone() for n, p in lora_params(lp).items()}
+    finetune(ctx, "sft", lp, trajectories, ctx.cfg.sft)
+    assert all(torch.equal(p, base_before[n]) for n, p in base_params(lp).items())
+    moved = [n for n, p in lora_params(lp).items() if not torch.equal(p, lora_before[n])]
     assert len(moved) == len(lora_before)
     with torch.no_grad():
-        assert sft_loss(model, batch, fused=True)[0] < nll_fused
+        assert sft_loss(lp.lm, batch, fused=True)[0] < nll_fused
+
+
+def test_one_lora_rctp_step_changes_both_reward_token_rows_and_the_export_holds_them(
+        policy, tokenizer, trajectories, tmp_path):
+    """Under LoRA the embeddings are frozen but the reward-token rows train:
+    one RCTP step on tagged records (both tokens) moves both rows, and the
+    merged export carries the moved rows (tests/rollout/test_lora_swap.py:
+    the engine too)."""
+    from safetensors.torch import load_file
+
+    ctx = make_ctx(tmp_path, tokenizer, policy, "--fused", "--rctp.lr", "1e-2", "--rctp.batch_size", "4",
+                   "--rctp.epochs", "1")
+    lp = lora_model(policy)
+    ids = list(reward_token_ids(tokenizer).values())
+    rows = lambda: lora_params(lp)[  # noqa: E731
+        "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"].detach().clone()
+    before = rows()
+    finetune(ctx, "rctp", lp, trajectories, ctx.cfg.rctp)
+    after = rows()
+    assert all(not torch.equal(after[k], before[k]) for k in range(len(ids))), "a reward-token row did not train"
+    folder = ctx.export_model("rctp", lp)
+    exported = load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"]
+    assert exported.dtype == torch.float32
+    assert torch.equal(exported[ids], after)
+    base = policy.model.get_input_embeddings().weight
+    assert torch.equal(exported[:ids[0]], base[:ids[0]].detach())
 
 
 def test_adapters_off_restores_adapters_and_mode(policy, trajectories):
-    model = lora_model(policy)
+    lp = lora_model(policy)
+    model = lp.model
     batch = pack(trajectories)
     with torch.no_grad():
-        on = token_logprobs(model, batch, fused=True)
+        on = token_logprobs(lp.lm, batch, fused=True)
         model.train()
         with adapters_off(model):
             assert not model.training
         assert model.training
-        torch.testing.assert_close(token_logprobs(model, batch, fused=True), on, atol=0, rtol=0)
+        torch.testing.assert_close(token_logprobs(lp.lm, batch, fused=True), on, atol=0, rtol=0)
 
 
 # ------------------------------------------------------- export and resume
@@ -208,8 +252,9 @@ def test_export_is_the_merged_plain_model_plus_the_adapter(policy, tokenizer, tm
     from transformers import AutoModelForCausalLM
 
     ctx = make_ctx(tmp_path, tokenizer, policy)
-    model = lora_model(policy)
-    folder = ctx.export_model("rctp", model)
+    lp = lora_model(policy)
+    model = lp.model
+    folder = ctx.export_model("rctp", lp)
     assert folder == ctx.stage_model_dir("rctp") and (folder / "tokenizer.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(str(folder))
     assert not is_lora(loaded)
@@ -219,17 +264,18 @@ def test_export_is_the_merged_plain_model_plus_the_adapter(policy, tokenizer, tm
     assert all(torch.equal(got[n], expected[n]) for n in expected)
     adapter = load_file(str(folder / ADAPTER_DIR / "adapter_model.safetensors"))
     assert (folder / ADAPTER_DIR / "adapter_config.json").is_file()
-    assert len(adapter) == len(lora_params(model)) and all(".lora_" in k for k in adapter)
+    assert len(adapter) == len(lora_params(lp))
+    assert all(".lora_" in k or "trainable_tokens_delta" in k for k in adapter)
 
 
 def test_resume_restores_adapters_optimizer_and_step(policy, tokenizer, trajectories, tmp_path):
     ctx = make_ctx(tmp_path, tokenizer, policy, "--fused")
-    model = lora_model(policy)
-    optimizer, scheduler = make_optimizer(model, 1e-3, 0.0, 4, 0.5)
-    model.train()
-    rl_update(ctx, model, model, trajectories, RLLossSettings(beta=0.1), "group")
-    clip_and_step(model, optimizer, scheduler, 1.0)
-    ctx.save("rc-grpo", 1, model, optimizer, scheduler)
+    lp = lora_model(policy)
+    optimizer, scheduler = make_optimizer(lp, 1e-3, 0.0, 4, 0.5)
+    lp.train()
+    rl_update(ctx, lp, trajectories, RLLossSettings(beta=0.1), "group")
+    clip_and_step(lp, optimizer, scheduler, 1.0)
+    ctx.save("rc-grpo", 1, lp, optimizer, scheduler)
     ckpt = ctx.checkpoint_root("rc-grpo") / "ckpt-00000001" / "model"
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
 
@@ -237,7 +283,7 @@ def test_resume_restores_adapters_optimizer_and_step(policy, tokenizer, trajecto
     other = lora_model(policy, seed=1)
     opt2, sched2 = make_optimizer(other, 1e-3, 0.0, 4, 0.5)
     assert resumed_ctx.resume("rc-grpo", other, opt2, sched2) == 1
-    want, got = lora_params(model), lora_params(other)
+    want, got = lora_params(lp), lora_params(other)
     assert all(torch.equal(got[n], want[n]) for n in want)
     s1, s2 = optimizer.state_dict(), opt2.state_dict()
     assert s1["state"].keys() == s2["state"].keys() and s2["state"]
@@ -248,7 +294,7 @@ def test_resume_restores_adapters_optimizer_and_step(policy, tokenizer, trajecto
 
     # A LoRA checkpoint does not load into a full-weight run (and says why).
     with pytest.raises(CheckpointError, match="model.lora.enabled true"):
-        resumed_ctx.resume("rc-grpo", copy.deepcopy(policy.model), None, None)
+        resumed_ctx.resume("rc-grpo", TrainablePolicy(copy.deepcopy(policy.model)), None, None)
 
 
 def test_gradient_checkpointing_keeps_adapter_gradients(policy, trajectories):
@@ -258,14 +304,16 @@ def test_gradient_checkpointing_keeps_adapter_gradients(policy, trajectories):
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)  # the same random A both times
-        model = wrap(copy.deepcopy(policy.model), LoraConfig(True, 4, 8.0, 0.0, list(TARGETS)), checkpointing)
+        model = wrap(copy.deepcopy(policy.model), LoraConfig(True, 4, 8.0, 0.0, list(TARGETS)),
+                     gradient_checkpointing=checkpointing)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.fill_(0.01)
+        lp = TrainablePolicy(model, lora=True)
         model.train()
-        sft_loss(model, batch, fused=True)[0].backward()
-        grads.append({n: p.grad for n, p in lora_params(model).items()})
+        sft_loss(lp.lm, batch, fused=True)[0].backward()
+        grads.append({n: p.grad for n, p in lora_params(lp).items()})
     assert unwrap(model).is_gradient_checkpointing
     for name, g in grads[0].items():
         assert grads[1][name] is not None, name
