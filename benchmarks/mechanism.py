@@ -310,12 +310,15 @@ def report(results: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         for arm, rows in c.items():
             for r in rows:
-                hl = (f"{r['reward_mean_high']:.2f} / {r['reward_mean_low']:.2f}"
-                      if "reward_mean_high" in r and "reward_mean_low" in r
-                      else f"{r['reward_mean_high']:.2f} / -" if "reward_mean_high" in r else "- / -")
+                hl = " / ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("reward_mean_high", "reward_mean_low"))
                 lines.append(f"| {arm} | {r['step']} | {r['zero_var_frac']:.2f} | {r['reward_mean']:.3f} | {hl} | "
                              f"{r.get('kl', 0.0):.2e} | {r.get('entropy', 0.0):.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def error_bar(value: float, ci: list[float]) -> list[list[float]]:
+    """matplotlib's asymmetric yerr; rounding can put a bound a hair past the value."""
+    return [[max(0.0, value - ci[0])], [max(0.0, ci[1] - value)]]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -330,14 +333,14 @@ def plot(results: dict, path: Path) -> None:
         for x, key in enumerate(("high", "low")):
             r = a[key]
             axes[0].bar(x, r["mean"], color=("tab:green", "tab:red")[x])
-            axes[0].errorbar(x, r["mean"], yerr=[[r["mean"] - r["ci"][0]], [r["ci"][1] - r["mean"]]], color="k",
+            axes[0].errorbar(x, r["mean"], yerr=error_bar(r["mean"], r["ci"]), color="k",
                              capsize=6)
         axes[0].set(xticks=[0, 1], xticklabels=["<|high_reward|>", "<|low_reward|>"], ylim=(0, 1),
                     title="(a) RCTP: sampled reward by token (95%)")
     b = results.get("zero_variance", {})
     for x, (arm, z) in enumerate(b.items()):
         axes[1].bar(x, z["share"])
-        axes[1].errorbar(x, z["share"], yerr=[[z["share"] - z["ci"][0]], [z["ci"][1] - z["share"]]], color="k",
+        axes[1].errorbar(x, z["share"], yerr=error_bar(z["share"], z["ci"]), color="k",
                          capsize=6)
     axes[1].set(xticks=range(len(b)), xticklabels=list(b), ylim=(0, 1.05), title="(b) zero-variance groups at start")
     styles = [("o", "-"), ("s", "--"), ("^", ":")]
