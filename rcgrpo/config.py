@@ -481,6 +481,9 @@ def _apply_nested(cfg: Config, d: dict, where: str, prefix: str = "") -> None:
             if not any(x.startswith(key + ".") for x in known):
                 raise _unknown(key, [x.rsplit(".", 1)[0] for x in known] + list(known), where)
             _apply_nested(cfg, v, where, key + ".")
+        elif any(x.startswith(key + ".") for x in all_keys(cfg)):
+            raise ConfigError(f"{key!r} is a section ({where}): write [{key}] with its settings, "
+                              f"not {key} = {v!r}")
         else:
             _set(cfg, key, v, where, from_text=False)
 
@@ -550,7 +553,9 @@ DEFAULT_PRESET = "cpu-small"
 
 def _names_a_model(flags, file_data: dict) -> bool:
     from_flags = any(ALIASES.get(k, k) == "model.name_or_path" for k, _, _ in flags)
-    return from_flags or "name_or_path" in (file_data.get("model") or {})
+    model = file_data.get("model")
+    # A non-table `model = ...` is reported by _apply_nested, naming the key.
+    return from_flags or (isinstance(model, dict) and "name_or_path" in model)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, *, check_files: bool = True) -> Config:

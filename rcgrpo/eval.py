@@ -236,7 +236,7 @@ def evaluate_model(args) -> int:
     settings = resolve_eval_settings(args.model, args)
     print(settings.describe(), flush=True)
     from rcgrpo.evaluate import evaluate, named_entries, select_entries, write_eval
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
+    from rcgrpo.models import ModelFolderError, load_tokenizer, resolve_model_folder
     from rcgrpo.rollout import make_engine
 
     categories = [c.strip() for c in args.categories.split(",") if c.strip()]
@@ -247,7 +247,10 @@ def evaluate_model(args) -> int:
     if args.ids:
         wanted = [i.strip() for i in args.ids.split(",") if i.strip()]
         entries = named_entries(entries, wanted, "--ids", f"in the {args.split} split of {categories}")
-    folder = resolve_model_folder(args.model)
+    try:
+        folder = resolve_model_folder(args.model)
+    except ModelFolderError as exc:
+        raise EvalSettingsError(str(exc)) from exc
     kwargs = {} if args.engine == "hf" else {"max_model_len": settings.max_total_tokens}
     engine = make_engine(args.engine, folder, **kwargs)
     result = evaluate(engine, load_tokenizer(folder), entries, settings.conditioning, greedy=True,

@@ -133,6 +133,8 @@ def test_lora_needs_peft(monkeypatch):
         ("[grpo]\nkl_coef = 0.1\n", "did you mean 'grpo.beta'"),
         ("[grpo\nlr = 1\n", "is not valid TOML"),
         ("[run]\nstages = 'rctp'\n", "expected list of str"),
+        ("model = 3\n", "'model' is a section"),
+        ("[model]\nlora = 'yes'\n", "'model.lora' is a section"),
     ],
 )
 def test_file_errors(tmp_path, toml, needle):

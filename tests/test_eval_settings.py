@@ -166,7 +166,7 @@ def test_settings_reach_the_rollouts_and_eval_json(in_tmp, monkeypatch, capsys):
 @pytest.mark.parametrize("text, says", [
     ("[eval\nmax_new_tokens = 96\n", "not valid TOML"),
     ("[eval]\nmax_new_tokens = 0\n", "eval.max_new_tokens must be >= 1"),
-    ("model = 3\n", "cannot be used"),
+    ("model = 3\n", "'model' is a section"),
 ])
 def test_a_broken_run_config_is_one_line_naming_it(in_tmp, capsys, text, says):
     model = make_run(in_tmp, stage="rctp")
@@ -185,3 +185,9 @@ def test_a_broken_run_config_exits_2_from_the_command_line(in_tmp):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "runs/run/config.toml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_missing_model_folder_is_one_line(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "nowhere" in err and "does not exist" in err
