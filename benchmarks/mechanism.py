@@ -22,7 +22,9 @@ returned; re-running skips finished parts):
    the swapped one): KL(p_tag || p_swapped) of the next-token distributions
    over the assistant tokens, at the first one, and the log-likelihood
    margin, before RCTP (the token-extended base) and after (RCTP; SFT as a
-   control that never saw the tokens).
+   control that never saw the tokens); and at the first token where each
+   entry's expert and failure records part, how far the tag moves the
+   preference between the two choices (`first_divergences`).
 3. (b) Zero-variance share of groups sampled from each arm's starting
    checkpoint with that arm's conditioning (SFT + no token; RCTP + always
    high; RCTP + p = 0.5), same prompts and seeds: `--groups` groups of G.
@@ -169,12 +171,48 @@ def worker_probe(args) -> dict:
                          "kl_mean": float(kl.mean()), "kl_first": float(kl[0]),
                          "margin_mean": float(margin.mean()), "margin_sum": float(margin.sum()),
                          "tokens": int(pos.numel())})
+        divergences = first_divergences(model, load_records(args.records), ids[HIGH_REWARD], ids[LOW_REWARD])
     emb = model.get_input_embeddings().weight
     cos = torch.nn.functional.cosine_similarity(emb[ids[HIGH_REWARD]], emb[ids[LOW_REWARD]], dim=0)
     return {"model": str(args.model), "rows": rows, "cosine_high_low": float(cos),
             "kl_mean": sum(r["kl_mean"] for r in rows) / len(rows),
             "kl_first": sum(r["kl_first"] for r in rows) / len(rows),
-            "margin_mean": sum(r["margin_mean"] for r in rows) / len(rows)}
+            "margin_mean": sum(r["margin_mean"] for r in rows) / len(rows),
+            "divergences": divergences,
+            "steer_mean": sum(d["steer"] for d in divergences) / max(len(divergences), 1)}
+
+
+def first_divergences(model, records, high: int, low: int) -> list[dict]:
+    """Where an entry's expert (high-tagged) and failure (low-tagged) records
+    first part, the decision the tag should steer. With the shared prefix
+    under each tag: preference = log p(expert's token) - log p(failure's
+    token); steer = preference under high - preference under low (> 0: the
+    high tag pushes towards the expert's choice, in nats)."""
+    import torch
+
+    from rcgrpo.models import HIGH_REWARD
+
+    by_entry: dict[str, dict[str, object]] = {}
+    for rec in records:
+        by_entry.setdefault(rec.entry_id, {})["expert" if rec.reward_token == HIGH_REWARD else "failure"] = rec
+    out = []
+    for entry_id, pair in sorted(by_entry.items()):
+        if len(pair) != 2:
+            continue
+        e, f = pair["expert"].token_ids, pair["failure"].token_ids
+        tag = next(i for i, t in enumerate(e) if t == high)
+        j = next((i for i in range(tag + 1, min(len(e), len(f))) if e[i] != f[i]), None)
+        if j is None or not (pair["expert"].loss_mask[j] and pair["failure"].loss_mask[j]):
+            continue  # no divergence, or not at a sampled token
+        prefs = {}
+        for name, token in (("high", high), ("low", low)):
+            prefix = list(e[:j])
+            prefix[tag] = token
+            logp = model(input_ids=torch.tensor([prefix])).logits[0, -1].float().log_softmax(-1)
+            prefs[name] = float(logp[e[j]] - logp[f[j]])
+        out.append({"entry_id": entry_id, "position": j, "pref_high": prefs["high"], "pref_low": prefs["low"],
+                    "steer": prefs["high"] - prefs["low"]})
+    return out
 
 
 # --------------------------------------------------------------- orchestration
@@ -291,6 +329,18 @@ def report(results: dict) -> str:
         for name, p in probes.items():
             lines.append(f"| {name} | {p['cosine_high_low']:.4f} | {p['kl_mean']:.2e} | {p['kl_first']:.2e} | "
                          f"{p['margin_mean']:+.2e} |")
+        lines += ["", "At the first token where an entry's expert and failure records part (the decision the tag "
+                  "should steer): preference = log p(expert's token) - log p(failure's token) under each tag; "
+                  "steer = preference under high - under low (nats, mean over the entries):", "",
+                  "| model | entries | preference under high | under low | steer | steer per entry |",
+                  "|---|---|---|---|---|---|"]
+        for name, p in probes.items():
+            d = p.get("divergences", [])
+            if d:
+                mean = lambda k: sum(x[k] for x in d) / len(d)  # noqa: E731
+                each = ", ".join(format(x["steer"], "+.2f") for x in d)
+                lines.append(f"| {name} | {len(d)} | {mean('pref_high'):+.3f} | {mean('pref_low'):+.3f} | "
+                             f"{mean('steer'):+.3f} | {each} |")
         lines.append("")
     b = results.get("zero_variance")
     if b:
