@@ -1,6 +1,6 @@
 """The mechanism of RC-GRPO, measured on CPU with the small model.
 
-    python benchmarks/mechanism.py                  # defaults below; ~2 h on 2 cores
+    python benchmarks/mechanism.py                  # defaults below; ~75 min on 2 cores
     python benchmarks/mechanism.py --report-only    # rewrite the table from finished parts
 
 PAPER.md's claim: after SFT on experts, GRPO's groups of rollouts tend to earn
