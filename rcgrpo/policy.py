@@ -181,10 +181,12 @@ class TrainablePolicy:
 
     # ------------------------------------------------------------ training
 
-    def train(self) -> None:
+    def train_mode(self) -> None:
+        """Dropout on (nn.Module.train) for the update."""
         self.model.train()
 
-    def eval(self) -> None:
+    def eval_mode(self) -> None:
+        """Dropout off (nn.Module.eval) for scoring and rollouts."""
         self.model.eval()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -38,7 +38,7 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
     total_steps = -(-len(order) // section.batch_size)
     optimizer, scheduler = make_optimizer(policy, section.lr, section.weight_decay, total_steps, section.warmup_ratio)
     start = ctx.resume(stage, policy, optimizer, scheduler)
-    policy.train()
+    policy.train_mode()
     last = {}
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         for step in progress(range(start, total_steps), total=total_steps, initial=start, desc=stage):
@@ -68,5 +68,5 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
                            update_s=elapsed, loss_tokens=tokens)
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < total_steps:
                 ctx.save(stage, step + 1, policy, optimizer, scheduler)
-    policy.eval()
+    policy.eval_mode()
     return last

@@ -190,17 +190,17 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
                 p_high=g.p_high, doc_style=ctx.cfg.data.doc_style, progress=False,
             )
             t0 = time.perf_counter()
-            policy.eval()
+            policy.eval_mode()
             with awake(engine, policy.rollout_weights()):
                 rollouts = run_episodes(engine, ctx.tokenizer, step_entries, g.group_size, rollout_cfg,
                                         reward_tokens=conditioning(stage, reward_conditioned,
                                                                    len(step_entries) * g.group_size))
             rollouts = [r for r in rollouts if lo <= r.group < hi]
             t1 = time.perf_counter()
-            policy.train()
+            policy.train_mode()
             stats = rl_update(ctx, policy, to_trajectories(rollouts), settings, g.advantage_scale)
             grad_norm = clip_and_step(policy, optimizer, scheduler, g.max_grad_norm)
-            policy.eval()
+            policy.eval_mode()
             t2 = time.perf_counter()
             everyone = gather_summaries(rollouts, offset)
             generated = sum(s.generated for s in everyone)

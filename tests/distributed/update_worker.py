@@ -79,7 +79,7 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
                 for r in rows if r["group"] in groups[lo:hi]]
         ctx = RunContext(cfg, torch.device("cpu"), load_tokenizer(folder), folder)
         optimizer, scheduler = make_optimizer(policy, LR, 0.0, 1, 0.0)
-        policy.train()
+        policy.train_mode()
         distributed.barrier()
         t0 = time.perf_counter()  # the trainer's update phase: loss, backward, step, weight stream
         stats = rl_update(ctx, policy, mine, RLLossSettings(beta=0.1), "group")

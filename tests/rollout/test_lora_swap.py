@@ -41,10 +41,10 @@ def test_lora_update_reaches_the_engine_as_merged_weights(vllm_engine, policy, t
                for i, token in enumerate([HIGH_REWARD, LOW_REWARD])]
     batch = pack([r.trajectory() for r in records])
     optimizer, scheduler = make_optimizer(lp, 2e-2, 0.0, 1, 0.0)
-    lp.train()
+    lp.train_mode()
     sft_loss(lp.lm, batch, fused=True)[0].backward()
     clip_and_step(lp, optimizer, scheduler, 1.0)
-    lp.eval()
+    lp.eval_mode()
     merged = copy.deepcopy(model).merge_and_unload()  # the HF merged model, for reference
     trained_rows = merged.get_input_embeddings().weight[ids].detach()
     assert not torch.equal(trained_rows, policy.model.get_input_embeddings().weight[ids])

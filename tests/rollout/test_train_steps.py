@@ -124,10 +124,10 @@ def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
         # is tested beside it, on the same batch)
         optimizer, scheduler = make_optimizer(trained, 1e-4, 0.0, 1, 0.0)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        trained.train()
+        trained.train_mode()
         stats = rl_update(ctx, trained, to_trajectories(real_group), RLLossSettings(beta=0.0), "group")
         grad_norm = clip_and_step(trained, optimizer, scheduler, 1.0)
-        trained.eval()
+        trained.eval_mode()
         assert grad_norm > 0 and stats["adv_abs_mean"] > 0 and stats["loss_tokens"] > 0
         assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
         vllm_engine.load_weights(trained.rollout_weights())

@@ -19,7 +19,7 @@ def test_full_weight_training_honours_gradient_checkpointing(policy, tokenizer, 
         trained = TrainablePolicy.load(model_dir, cfg.model, torch.device("cpu"), reference=False)
         model = trained.model
         assert model.is_gradient_checkpointing == (flag == "true")
-        trained.train()
+        trained.train_mode()
         sft_loss(trained.lm, batch, fused=True)[0].backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 100

@@ -272,7 +272,7 @@ def test_resume_restores_adapters_optimizer_and_step(policy, tokenizer, trajecto
     ctx = make_ctx(tmp_path, tokenizer, policy, "--fused")
     lp = lora_model(policy)
     optimizer, scheduler = make_optimizer(lp, 1e-3, 0.0, 4, 0.5)
-    lp.train()
+    lp.train_mode()
     rl_update(ctx, lp, trajectories, RLLossSettings(beta=0.1), "group")
     clip_and_step(lp, optimizer, scheduler, 1.0)
     ctx.save("rc-grpo", 1, lp, optimizer, scheduler)

@@ -56,7 +56,7 @@ def train_policy(model_dir, batch, dtype: str) -> tuple[float, TrainablePolicy, 
     keep_the_last_layers(policy.model)
     start = weights(policy.model)
     optimizer, scheduler = make_optimizer(policy, LR, 0.0, STEPS, 0.0)
-    policy.train()
+    policy.train_mode()
     for _ in range(STEPS):
         sft_loss(policy.lm, batch, fused=True)[0].backward()
         clip_and_step(policy, optimizer, scheduler, 0.0)
@@ -106,7 +106,7 @@ def test_bf16_compute_runs_the_decoder_and_head_in_bf16_from_fp32_masters(model_
     with policy.reference() as ref:
         assert ref.lm_head_weight().dtype == torch.bfloat16
         assert ref.hidden_states(batch).dtype == torch.bfloat16
-    policy.train()
+    policy.train_mode()
     sft_loss(policy.lm, batch, fused=True)[0].backward()
     grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
     assert len(grads) >= 10 and all(g.dtype == torch.float32 for g in grads)
