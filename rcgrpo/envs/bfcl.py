@@ -138,14 +138,20 @@ class Episode:
         return decode_calls(text, self._methods, self.positional)
 
     def step(self, assistant_text: str) -> StepResult:
-        """Consume one model reply: decode, execute, advance."""
+        """Consume one model reply: decode, execute, advance.
+
+        Model output cannot raise out of here: a reply that fails to decode
+        for any reason ends the turn as an undecodable one does, and a call
+        that fails in any way gets an error result (see `step_calls`).
+        """
         self._require_active()
         try:
             calls = self.decode(assistant_text)
-        except DecodeError as exc:
+        except Exception as exc:  # DecodeError, and whatever else hostile text could provoke
+            reason = str(exc) if isinstance(exc, DecodeError) else f"{type(exc).__name__}: {exc}"
             self.steps += 1
             self._end_turn()
-            return StepResult([], [], turn_ended=True, done=self.done, decode_error=str(exc))
+            return StepResult([], [], turn_ended=True, done=self.done, decode_error=reason)
         return self.step_calls(calls)
 
     def step_calls(self, calls: list[Call]) -> StepResult:
@@ -157,13 +163,16 @@ class Episode:
             return StepResult([], [], turn_ended=True, done=self.done)
         messages, record = [], []
         for call in calls:
-            text, ran = self._executor.run(call)
+            try:
+                text, ran = self._executor.run(call)
+                name = call.canonical() if call.rejected is None else call.name
+            except Exception as exc:  # the executor catches the API's own errors; this is the rest
+                text, ran, name = f"Error during execution: {type(exc).__name__}: {exc}", False, call.name
             if ran:
                 self._executed.append(call)
-                record.append(call.canonical())
+                record.append(name)
             else:
                 record.append(NOT_EXECUTED_PLACEHOLDER)
-            name = call.canonical() if call.rejected is None else call.name
             messages.append({"role": "tool", "name": name, "content": text})
         self._decoded_turns[-1].append(record)
         self._steps_in_turn += 1

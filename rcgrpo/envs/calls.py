@@ -6,6 +6,10 @@ strips backticks, newlines and spaces from both ends, wraps the text in
 brackets, parses it with `ast`, and then `eval`s some argument expressions and
 the whole call string. Model output is untrusted, so here:
 
+* before `ast.parse` sees the text, a linear scan bounds its size and how
+  deep its expression tree can be (`expression_depth_bound`); after parsing,
+  an iterative walk checks the real depth. Only then does anything recurse
+  over the tree, so no reply can raise RecursionError or exhaust the parser;
 * the text is parsed with `ast.parse` and walked by hand; only literal values
   (str/int/float/bool/None and lists, tuples, dicts of them, negated numbers)
   and bare identifiers (which the official decoder turns into their name as a
@@ -25,6 +29,7 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
@@ -38,6 +43,16 @@ MAX_INT_BITS = 63
 MAX_STR_CHARS = 100_000
 MAX_ELEMENTS = 10_000
 MAX_DEPTH = 16
+# Bound on the depth of a whole reply's expression tree (calls, attributes,
+# subscripts, operators, containers). Real calls stay under 10; 100 keeps
+# every recursive walk (ours, `ast`'s, the checker's) far from Python's
+# recursion limit wherever in the stack the environment is driven from.
+MAX_EXPR_DEPTH = 100
+
+_OPERATOR_CHARS = frozenset("+-*/%@&|^~<>=!.")
+_OPERATOR_WORDS = frozenset({"not", "and", "or", "if", "else", "lambda", "in", "is", "await", "yield", "for"})
+_OPEN = {"(": ")", "[": "]", "{": "}"}
+_NUMBER = re.compile(r"0[xXoObB][0-9a-fA-F_]*|\d[\d_]*(\.[\d_]*)?([eE][+-]?[\d_]+)?[jJ]?")
 
 
 class DecodeError(ValueError):
@@ -95,6 +110,9 @@ def decode_calls(
     if not body.endswith("]"):
         body = body + "]"
     body = body.strip().strip("'")
+    bound = expression_depth_bound(body)
+    if bound > MAX_EXPR_DEPTH:
+        raise DecodeError(f"reply nests up to {bound} levels deep, over the bound of {MAX_EXPR_DEPTH}; not parsed")
     try:
         with warnings.catch_warnings():
             # Model text like "1abc" makes the parser warn; it is data, not code.
@@ -102,6 +120,9 @@ def decode_calls(
             tree = ast.parse(body, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise DecodeError(f"not a python call list: {type(exc).__name__}: {exc}") from None
+    depth = _tree_depth(tree)
+    if depth > MAX_EXPR_DEPTH:
+        raise DecodeError(f"reply's expression tree is {depth} levels deep, over the bound of {MAX_EXPR_DEPTH}")
     nodes = [tree] if isinstance(tree, ast.Call) else getattr(tree, "elts", None)
     if nodes is None:
         raise DecodeError(f"expected a list of calls, got {type(tree).__name__}")
@@ -109,8 +130,102 @@ def decode_calls(
     for node in nodes:
         if not isinstance(node, ast.Call):
             raise DecodeError(f"list element is a {type(node).__name__}, not a call")
-        calls.append(_decode_call(node, allowed, positional))
+        calls.append(_decode_call(node, body, allowed, positional))
     return calls
+
+
+def expression_depth_bound(text: str) -> int:
+    """An upper bound on the depth of the expression tree `text` parses to,
+    found by one linear scan (no parser, no recursion).
+
+    Each bracket group adds a level; inside a group, each comma-separated
+    element may chain operators, attribute dots, calls and subscripts, each
+    adding at most one level, so an element's depth is at most its count of
+    those plus its deepest group. String contents are skipped (f-strings,
+    whose braces hold code, count every operator-like character instead).
+    Unbalanced text is bounded as far as it goes; the parser rejects it.
+    """
+    # One frame per open group: [ops in the current element, deepest group
+    # in it, deepest element so far, expected closer].
+    stack = [[0, 0, 0, ""]]
+    after_atom = False  # a '(' or '[' here is a call or subscript of what precedes
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in "'\"" or (ch in "rRbBuUfF" and _string_start(text, i)):
+            i, after_atom = _skip_string(text, i, stack[-1]), True
+            continue
+        if ch.isalpha() or ch == "_":
+            j = i
+            while j < n and (text[j].isalnum() or text[j] == "_"):
+                j += 1
+            word = text[i:j] in _OPERATOR_WORDS
+            stack[-1][0] += word
+            i, after_atom = j, not word
+            continue
+        number = _NUMBER.match(text, i) if ch.isdigit() else None
+        if number:  # its '.', exponent and sign are not operators
+            i, after_atom = number.end(), True
+            continue
+        if ch.isspace():
+            i += 1
+            continue
+        if ch in _OPEN:
+            stack[-1][0] += after_atom and ch != "{"  # the call/subscript node
+            stack.append([0, 0, 0, _OPEN[ch]])
+        elif ch in ")]}" and len(stack) > 1:
+            ops, child, best, _ = stack.pop()
+            group = max(best, ops + child) + 1
+            stack[-1][1] = max(stack[-1][1], group)
+        elif ch == ",":
+            top = stack[-1]
+            top[2] = max(top[2], top[0] + top[1])
+            top[0] = top[1] = 0
+        elif ch in _OPERATOR_CHARS:
+            stack[-1][0] += 1
+        after_atom = ch in ")]}"
+        i += 1
+    # Groups left open still count to their current depth; +1 for the
+    # leaves' context nodes (Load).
+    depth = 0
+    for ops, child, best, _ in reversed(stack):
+        depth = max(best, ops + max(child, depth)) + 1
+    return depth + 1
+
+
+def _string_start(text: str, i: int) -> bool:
+    """Whether a string prefix (r, b, f, u, rb, ...) starts at `i`."""
+    j = i
+    while j < len(text) and j - i < 2 and text[j] in "rRbBuUfF":
+        j += 1
+    return j < len(text) and text[j] in "'\"" and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_"))
+
+
+def _skip_string(text: str, i: int, frame: list) -> int:
+    """Index just past the string literal starting at `i` (prefix included)."""
+    j = i
+    while text[j] not in "'\"":
+        j += 1
+    prefix = text[i:j].lower()
+    quote = text[j] * 3 if text.startswith(text[j] * 3, j) else text[j]
+    j += len(quote)
+    n = len(text)
+    while j < n and not text.startswith(quote, j):
+        if "f" in prefix and text[j] in _OPERATOR_CHARS | set("([{"):
+            frame[0] += 1  # code inside an f-string's braces
+        j += 2 if text[j] == "\\" and "r" not in prefix else 1
+    return j + len(quote)
+
+
+def _tree_depth(tree: ast.AST) -> int:
+    """Depth of a parsed tree, walked with an explicit stack."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth <= MAX_EXPR_DEPTH:  # past the bound the answer is already known
+            stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def bind_positional(call: Call, method: Callable[..., Any]) -> Call:
@@ -134,9 +249,10 @@ def bind_positional(call: Call, method: Callable[..., Any]) -> Call:
     return Call(call.name, {**bound, **call.kwargs})
 
 
-def _decode_call(node: ast.Call, allowed, positional: Positional) -> Call:
+def _decode_call(node: ast.Call, source: str, allowed, positional: Positional) -> Call:
     if not isinstance(node.func, ast.Name):
-        what = ast.unparse(node.func)[:80] if hasattr(ast, "unparse") else "?"
+        # The text as written (no unparse: nothing recursive on model output).
+        what = (ast.get_source_segment(source, node.func) or type(node.func).__name__)[:80]
         return Call(what, rejected=f"'{what}' is not a plain function name")
     name = node.func.id
     if allowed is not None and name not in allowed:
