@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import os
 import sys
 import types
@@ -55,6 +56,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("auto", "vllm", "hf")
 DOC_STYLES = ("compact", "compact_no_response", "official")
 CONDITIONING = ("auto", "high", "low", "none")
+SEED_MAX = 2**32 - 1  # numpy.random.seed's upper bound
 
 # Each pipeline is a row of the paper's Table 1/3; its stages run in order and
 # each reads the previous one's checkpoint. "rctp-data" builds the labelled
@@ -80,11 +82,17 @@ class ConfigError(ValueError):
         self.problems = list(problems) or [message]
 
 
-def _f(default: Any, help: str):
-    """A dataclass field with its help text (lists get a fresh copy each time)."""
+def _f(default: Any, help: str, resume_safe: bool = False):
+    """A dataclass field with its help text (lists get a fresh copy each time).
+
+    ``resume_safe``: changing the setting between a run and its ``--resume``
+    changes neither what was trained nor what will be (how often to save,
+    what to evaluate, where to run); every other change is refused there.
+    """
+    meta = {"help": help, "resume_safe": resume_safe}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -115,9 +123,10 @@ class ModelConfig:
         "update, bfloat16 halves the size and rounds away updates below ~0.4% of a weight",
     )
     attn_implementation: str = _f(
-        "auto", f"one of {ATTN_IMPLEMENTATIONS}; auto = flash_attention_2 on CUDA when installed, else sdpa"
+        "auto", f"one of {ATTN_IMPLEMENTATIONS}; auto = flash_attention_2 on CUDA when installed, else sdpa",
+        resume_safe=True,
     )
-    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory", resume_safe=True)
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings"})
 
 
@@ -186,14 +195,15 @@ class GrpoConfig:
 
 @dataclass
 class EvalConfig:
-    split: str = _f("test", "test (80 entries) or train")
-    subset: Optional[int] = _f(None, "evaluate only this many entries (none = the whole split)")
-    categories: list[str] = _f(list(CATEGORIES), "categories to evaluate")
-    greedy: bool = _f(True, "greedy decoding (else sample at grpo.temperature)")
+    split: str = _f("test", "test (80 entries) or train", resume_safe=True)
+    subset: Optional[int] = _f(None, "evaluate only this many entries (none = the whole split)", resume_safe=True)
+    categories: list[str] = _f(list(CATEGORIES), "categories to evaluate", resume_safe=True)
+    greedy: bool = _f(True, "greedy decoding (else sample at grpo.temperature)", resume_safe=True)
     conditioning: str = _f(
-        "auto", f"reward token in the prompt, one of {CONDITIONING}; auto = high for reward-conditioned pipelines"
+        "auto", f"reward token in the prompt, one of {CONDITIONING}; auto = high for reward-conditioned pipelines",
+        resume_safe=True,
     )
-    max_new_tokens: int = _f(512, "max tokens per assistant step")
+    max_new_tokens: int = _f(512, "max tokens per assistant step", resume_safe=True)
 
 
 @dataclass
@@ -201,26 +211,35 @@ class RunConfig:
     name: Optional[str] = _f(None, "run name: the run lives in out_dir/name (none = the pipeline's name)")
     out_dir: str = _f("runs", "parent folder of runs")
     pipeline: str = _f("rctp+rc-grpo", f"one of {tuple(PIPELINES)}")
-    stages: Optional[list[str]] = _f(None, "run only these stages of the pipeline (none = all)")
-    fused: bool = _f(False, "fused linear+loss kernels (Triton on CUDA, chunked on CPU)")
-    resume: bool = _f(False, "continue the run from its latest good checkpoint")
-    checkpoint_every: int = _f(50, "optimizer steps between checkpoints; 0 = only at the end of a stage")
-    keep_last: int = _f(3, "checkpoints kept per stage")
-    micro_batch_tokens: int = _f(8192, "tokens per packed micro-batch")
+    stages: Optional[list[str]] = _f(None, "run only these stages of the pipeline (none = all)", resume_safe=True)
+    fused: bool = _f(False, "fused linear+loss kernels (Triton on CUDA, chunked on CPU)", resume_safe=True)
+    resume: bool = _f(False, "continue the run from its latest good checkpoint", resume_safe=True)
+    checkpoint_every: int = _f(
+        50, "optimizer steps between checkpoints; 0 = only at the end of a stage", resume_safe=True
+    )
+    keep_last: int = _f(3, "checkpoints kept per stage", resume_safe=True)
+    micro_batch_tokens: int = _f(8192, "tokens per packed micro-batch", resume_safe=True)
     grad_accum: int = _f(0, "micro-batches per optimizer step; 0 = as many as one batch needs")
-    device: str = _f("auto", f"one of {DEVICES}")
-    engine: str = _f("auto", f"rollout engine, one of {ENGINES} (auto: vLLM when installed)")
+    device: str = _f("auto", f"one of {DEVICES}", resume_safe=True)
+    engine: str = _f("auto", f"rollout engine, one of {ENGINES} (auto: vLLM when installed)", resume_safe=True)
     engine_tp_size: int = _f(
-        1, "torchrun: ranks per tensor-parallel vLLM engine (1 = an engine per rank); divides the world size"
+        1, "torchrun: ranks per tensor-parallel vLLM engine (1 = an engine per rank); divides the world size",
+        resume_safe=True,
     )
     engine_memory_fraction: float = _f(
-        0.5, "CUDA: share of the GPU's memory the vLLM engine takes while awake (it sleeps during updates)"
+        0.5, "CUDA: share of the GPU's memory the vLLM engine takes while awake (it sleeps during updates)",
+        resume_safe=True,
     )
     dist_timeout_s: float = _f(
-        1800.0, "torchrun: seconds a collective waits for a peer before failing (bounds a hang on a dead rank)"
+        1800.0, "torchrun: seconds a collective waits for a peer before failing (bounds a hang on a dead rank)",
+        resume_safe=True,
     )
-    log_every: int = _f(1, "steps between metric lines")
-    tensorboard: bool = _f(True, "also write TensorBoard scalars when it is installed")
+    log_every: int = _f(1, "steps between metric lines", resume_safe=True)
+    tensorboard: bool = _f(True, "also write TensorBoard scalars when it is installed", resume_safe=True)
+    accept_changes: Optional[list[str]] = _f(
+        None, "--resume: settings whose change from the saved run is accepted anyway (recorded in the run's "
+        "config_changes.jsonl); e.g. grpo.lr,grpo.steps", resume_safe=True,
+    )
 
 
 @dataclass
@@ -358,6 +377,38 @@ def all_keys(cfg: Optional[Config] = None) -> dict[str, tuple[Any, str]]:
 
     walk(cfg or Config(), "")
     return out
+
+
+def flat_values(cfg: Config) -> dict[str, Any]:
+    """Every dotted key -> its value in `cfg`."""
+    out: dict[str, Any] = {}
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, prefix + f.name + ".")
+            else:
+                out[prefix + f.name] = value
+
+    walk(cfg, "")
+    return out
+
+
+def resume_safe_keys() -> frozenset[str]:
+    """The dotted keys whose fields say `resume_safe` (see `_f`)."""
+    out = set()
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, prefix + f.name + ".")
+            elif f.metadata.get("resume_safe"):
+                out.add(prefix + f.name)
+
+    walk(Config(), "")
+    return frozenset(out | {"preset"})  # the preset's effect shows in the values it set
 
 
 # The paper's symbols and other trainers' names for our settings, so that a
@@ -637,9 +688,13 @@ def finalize(cfg: Config, check_files: bool = True) -> Config:
 def validate(cfg: Config, check_files: bool = True) -> None:
     """Raise one ConfigError listing every problem found."""
     problems: list[str] = []
+    # inf and nan pass most range checks (and 1e400 parses as inf): every
+    # float setting is checked first, and its other checks are then skipped.
+    not_finite = {k for k, v in flat_values(cfg).items() if isinstance(v, float) and not math.isfinite(v)}
+    problems.extend(f"{k} must be a finite number, got {flat_values(cfg)[k]}" for k in sorted(not_finite))
 
     def need(cond: bool, msg: str) -> None:
-        if not cond:
+        if not cond and msg.split(" ", 1)[0].rstrip(":") not in not_finite:
             problems.append(msg)
 
     m, d, r, s, g, e, run = cfg.model, cfg.data, cfg.rctp, cfg.sft, cfg.grpo, cfg.eval, cfg.run
@@ -667,6 +722,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
         need(len(set(cats)) == len(cats), f"{key} has duplicates: {cats}")
     need(d.max_prompt_tokens >= 1, f"data.max_prompt_tokens must be >= 1, got {d.max_prompt_tokens}")
     need(d.train_subset is None or d.train_subset >= 1, f"data.train_subset must be >= 1, got {d.train_subset}")
+    need(0 <= d.seed <= SEED_MAX, f"data.seed must be in [0, {SEED_MAX}] (numpy's seed range), got {d.seed}")
     need(d.entry_ids is None or (len(d.entry_ids) >= 1 and len(set(d.entry_ids)) == len(d.entry_ids)),
          f"data.entry_ids must be a non-empty list without repeats, got {d.entry_ids}")
 

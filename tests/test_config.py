@@ -184,3 +184,45 @@ def test_every_preset_is_valid():
     for name in C.PRESETS:
         cfg = parse_args(["--preset", name], check_files=False)
         assert cfg.preset == name
+
+
+FLOAT_KEYS = [k for k, (tp, _) in C.all_keys().items() if tp is float or C._optional_inner(tp) is float]
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e400"])
+def test_every_float_setting_rejects_non_finite(key, text):
+    with pytest.raises(ConfigError) as info:
+        parse_args([f"--{key}", text], check_files=False)
+    assert info.value.problems == [f"{key} must be a finite number, got {float(text)}"]
+
+
+def test_non_finite_floats_from_a_file_too(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[grpo]\nlr = inf\neps_high = nan\n")
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(path)], check_files=False)
+    assert sorted(info.value.problems) == ["grpo.eps_high must be a finite number, got nan",
+                                           "grpo.lr must be a finite number, got inf"]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 10**30])
+def test_seed_outside_numpys_range_is_refused(seed):
+    with pytest.raises(ConfigError, match=r"data.seed must be in \[0, 4294967295\]"):
+        parse_args(["--data.seed", str(seed)], check_files=False)
+
+
+def test_seed_bounds_are_accepted_and_usable():
+    import numpy as np
+
+    for seed in (0, C.SEED_MAX):
+        np.random.seed(parse_args(["--data.seed", str(seed)], check_files=False).data.seed)
+
+
+def test_resume_safe_keys_are_real_settings():
+    keys = set(C.all_keys())
+    assert C.resume_safe_keys() - {"preset"} <= keys
+    # What decides what is trained is never resume-safe.
+    for key in ("model.name_or_path", "data.seed", "grpo.lr", "grpo.batch_size", "rctp.epochs", "run.pipeline",
+                "grpo.loss_type", "model.lora.r", "data.categories", "grpo.group_size", "grpo.steps"):
+        assert key not in C.resume_safe_keys()
