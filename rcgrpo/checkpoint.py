@@ -46,6 +46,9 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from rcgrpo.atomic import atomic_write_text, fsync_dir
+from rcgrpo.errors import UserError
+
 __all__ = [
     "Checkpoint",
     "CheckpointError",
@@ -65,7 +68,7 @@ _NAME = re.compile(r"^ckpt-(\d{8})$")
 _TMP = re.compile(r"^ckpt-(\d{8})\.tmp$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used (the message says which file and why)."""
 
 
@@ -197,7 +200,7 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     _write_latest(root, final.name)
@@ -216,13 +219,7 @@ def _write_manifest(folder: Path, step: int) -> None:
 
 
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / (LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n")
 
 
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
@@ -245,16 +242,7 @@ def _fsync_tree(folder: Path) -> None:
             finally:
                 os.close(fd)
     for d in [folder, *[p for p in folder.rglob("*") if p.is_dir()]]:
-        _fsync_dir(d)
-
-
-def _fsync_dir(d: Path) -> None:
-    # A directory fsync makes the entries (renames, new files) durable.
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(d)
 
 
 def _sha256(path: Path) -> str:

@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from rcgrpo.atomic import atomic_write_text
+from rcgrpo.errors import UserError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser under its PyPI name
@@ -71,7 +74,7 @@ PIPELINES: dict[str, tuple[str, ...]] = {
 PAPER_RL_BATCH = {"rc-grpo": 256, "grpo": 64}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A setting is unknown, mistyped, impossible, or names a missing file.
 
     ``problems`` lists every message when validation found several.
@@ -288,8 +291,8 @@ class Config:
         """Write config.toml and config.json into the run dir (atomically)."""
         d = Path(run_dir) if run_dir is not None else self.run_dir
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(d / "config.toml", self.to_toml())
-        _atomic_write(d / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(d / "config.toml", self.to_toml())
+        atomic_write_text(d / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
         return d / "config.toml"
 
     @classmethod
@@ -587,6 +590,7 @@ def usage() -> str:
         "shortcuts: " + ", ".join(f"--{a} (= --{k})" for a, k in ALIASES.items()),
         f"presets: {', '.join(PRESETS)}",
         "bools: --key, --key true/false, --no-key",
+        "errors are one line (exit code 2); --debug (or RCGRPO_DEBUG=1) shows tracebacks",
         "",
         "settings (defaults):",
     ]
@@ -783,6 +787,8 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _validate_world(cfg, need)
     need(cfg.data.doc_style in DOC_STYLES, f"data.doc_style must be one of {DOC_STYLES}, got {cfg.data.doc_style!r}")
     need(run.log_every >= 1, f"run.log_every must be >= 1, got {run.log_every}")
+    unknown = [k for k in run.accept_changes or [] if k not in all_keys()]
+    need(not unknown, f"run.accept_changes: {unknown} are not settings")
 
     if check_files:
         problems.extend(_missing_files(cfg))
@@ -865,15 +871,6 @@ def _to_toml(d: dict) -> str:
 
     table("", d)
     return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

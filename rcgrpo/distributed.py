@@ -25,6 +25,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from rcgrpo.errors import UserError
+
 __all__ = [
     "World", "DistributedError", "launched", "init", "shutdown", "active", "rank", "world_size", "is_main",
     "barrier", "all_reduce_sum", "all_reduce_max", "all_gather_objects", "broadcast_object", "shard_model",
@@ -260,6 +262,8 @@ def guarded() -> Iterator[None]:
         if active() or launched():
             r, w = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
             if not isinstance(exc, (SystemExit, KeyboardInterrupt)) or (isinstance(exc, SystemExit) and exc.code):
-                print(f"rcgrpo: rank {r} of {w} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                # A user's error is one line (rcgrpo.errors); a bug keeps its traceback.
+                trace = "" if isinstance(exc, (UserError, SystemExit)) else "\n" + traceback.format_exc()
+                print(f"rcgrpo: rank {r} of {w} failed: {type(exc).__name__}: {exc}{trace}",
                       file=sys.stderr, flush=True)
         raise

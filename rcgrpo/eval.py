@@ -38,8 +38,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rcgrpo.envs.bfcl import CATEGORIES, DataError, load_entries
+from rcgrpo.atomic import atomic_output
+from rcgrpo.envs.bfcl import CATEGORIES, load_entries
 from rcgrpo.envs.replay import replay, replay_ground_truth
+from rcgrpo.errors import DEBUG_ENV, DEBUG_FLAG, UserError, run_command
 
 
 def score_replay_file(src: Path, dst: Path, positional: str = "drop") -> tuple[int, int]:
@@ -48,9 +50,12 @@ def score_replay_file(src: Path, dst: Path, positional: str = "drop") -> tuple[i
     try:
         lines = src.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise SystemExit(f"cannot read replay file {src}: {exc}")
+        raise SystemExit(f"cannot read replay file {src}: {exc.strerror or exc}")
+    except UnicodeDecodeError as exc:
+        raise SystemExit(f"replay file {src} is not UTF-8 text (byte {exc.start}: {exc.reason})")
     scored = errors = 0
-    with dst.open("w", encoding="utf-8") as out:
+    # Atomic: a crash leaves the previous --out file (or none), never part of one.
+    with atomic_output(dst) as out:
         for lineno, line in enumerate(tqdm(lines, desc="scoring", unit="entry"), 1):
             if not line.strip():
                 continue
@@ -69,6 +74,8 @@ def _score_line(line: str, lineno: int, entries, positional: str) -> dict:
     if not isinstance(row, dict):
         return {"line": lineno, "id": None, "error": "line is not a JSON object"}
     entry_id = row.get("id")
+    if not isinstance(entry_id, str):
+        return {"line": lineno, "id": None, "error": f"'id' must be a string, got {type(entry_id).__name__}"}
     if entry_id not in entries:
         return {"line": lineno, "id": entry_id, "error": f"unknown id {entry_id!r}"}
     if "turns" not in row:
@@ -77,6 +84,8 @@ def _score_line(line: str, lineno: int, entries, positional: str) -> dict:
         result = replay(entries[entry_id], row["turns"], positional=positional)
     except ValueError as exc:
         return {"line": lineno, "id": entry_id, "error": f"malformed turns: {exc}"}
+    except Exception as exc:  # the file is untrusted input: one bad line never ends the scoring
+        return {"line": lineno, "id": entry_id, "error": f"could not be scored: {type(exc).__name__}: {exc}"}
     return {
         "id": entry_id,
         "valid": result.valid,
@@ -107,7 +116,7 @@ DEFAULTS = {"max_new_tokens": 512, "max_total_tokens": 8192, "doc_style": "compa
 SETTINGS = ("max_new_tokens", "max_total_tokens", "doc_style", "conditioning")
 
 
-class EvalSettingsError(ValueError):
+class EvalSettingsError(UserError, ValueError):
     """The settings of --model cannot be worked out (e.g. a broken run config)."""
 
 
@@ -236,7 +245,7 @@ def evaluate_model(args) -> int:
     settings = resolve_eval_settings(args.model, args)
     print(settings.describe(), flush=True)
     from rcgrpo.evaluate import evaluate, named_entries, select_entries, write_eval
-    from rcgrpo.models import ModelFolderError, load_tokenizer, resolve_model_folder
+    from rcgrpo.models import load_tokenizer, resolve_model_folder
     from rcgrpo.rollout import make_engine
 
     categories = [c.strip() for c in args.categories.split(",") if c.strip()]
@@ -247,10 +256,7 @@ def evaluate_model(args) -> int:
     if args.ids:
         wanted = [i.strip() for i in args.ids.split(",") if i.strip()]
         entries = named_entries(entries, wanted, "--ids", f"in the {args.split} split of {categories}")
-    try:
-        folder = resolve_model_folder(args.model)
-    except ModelFolderError as exc:
-        raise EvalSettingsError(str(exc)) from exc
+    folder = resolve_model_folder(args.model)
     kwargs = {} if args.engine == "hf" else {"max_model_len": settings.max_total_tokens}
     engine = make_engine(args.engine, folder, **kwargs)
     result = evaluate(engine, load_tokenizer(folder), entries, settings.conditioning, greedy=True,
@@ -264,6 +270,11 @@ def evaluate_model(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Errors a user can fix are one line and exit code 2 (rcgrpo.errors)."""
+    return run_command("rcgrpo.eval", eval_command, argv)
+
+
+def eval_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m rcgrpo.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -288,26 +299,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
     parser.add_argument("--positional", choices=["drop", "bind"], default="drop",
                         help="drop positional arguments as the official decoder does (default), or bind them")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=f"show tracebacks (also: {DEBUG_ENV}=1)")
     args = parser.parse_args(argv)
-    try:
-        if args.replay:
-            if args.out is None:
-                parser.error("--replay needs --out")
-            scored, errors = score_replay_file(args.replay, args.out, args.positional)
-            print(f"scored {scored} entries, {errors} error lines -> {args.out}")
-            return 0
-        if args.model:
-            return evaluate_model(args)
-        entries = load_entries()
-        rows, counts = [], defaultdict(int)
-        for entry in tqdm(entries, desc="ground truth", unit="entry"):
-            rows.append((entry.category, replay_ground_truth(entry).valid))
-            counts[entry.category] += 1
-        print_table(accuracy_table(rows), counts)
+    if args.replay:
+        if args.out is None:
+            parser.error("--replay needs --out")
+        scored, errors = score_replay_file(args.replay, args.out, args.positional)
+        print(f"scored {scored} entries, {errors} error lines -> {args.out}")
         return 0
-    except (DataError, EvalSettingsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.model:
+        return evaluate_model(args)
+    entries = load_entries()
+    rows, counts = [], defaultdict(int)
+    for entry in tqdm(entries, desc="ground truth", unit="entry"):
+        rows.append((entry.category, replay_ground_truth(entry).valid))
+        counts[entry.category] += 1
+    print_table(accuracy_table(rows), counts)
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
+from rcgrpo.atomic import atomic_write_text
 from rcgrpo.envs.bfcl import CATEGORIES, load_entries, split_train_test
 from rcgrpo.models import HIGH_REWARD, LOW_REWARD
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
@@ -99,8 +100,8 @@ def table_markdown(result: dict, method: str) -> str:
 def write_eval(result: dict, out_dir: Path, method: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / "eval.json", out_dir / "eval.md"
-    json_path.write_text(json.dumps({**result, "method": method}, indent=1))
+    atomic_write_text(json_path, json.dumps({**result, "method": method}, indent=1))
     counts = ", ".join(f"{c}: {n}" for c, n in result["n"].items())
-    md_path.write_text(f"# BFCL v4 multi-turn ({counts} entries; accuracy %, official checker)\n\n"
-                       + table_markdown(result, method) + "\n")
+    atomic_write_text(md_path, f"# BFCL v4 multi-turn ({counts} entries; accuracy %, official checker)\n\n"
+                      + table_markdown(result, method) + "\n")
     return json_path, md_path

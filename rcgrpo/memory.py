@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from rcgrpo.errors import UserError
+
 __all__ = ["ModelShape", "MemoryPlan", "MemoryPlanError", "plan_stage", "check_stage", "device_memory_bytes"]
 
 GiB = 1 << 30
@@ -99,7 +101,7 @@ RANK_STEPS = (2, 4, 8, 16, 32, 64, 128)
 GPUS_PER_NODE = 8
 
 
-class MemoryPlanError(RuntimeError):
+class MemoryPlanError(UserError, RuntimeError):
     """A stage's estimated memory need exceeds the device; the message names the ways out."""
 
 
@@ -629,7 +631,7 @@ def check_stage(plan: MemoryPlan) -> None:
         listed.append("not enough alone: " + ", ".join(label(f, p) for f, p in helping))
     way_text = "; ".join(listed) if listed else "none found by this estimate (a device with more memory)"
     raise MemoryPlanError(
-        f"stage {plan.stage} does not fit ({plan.device_type}, {ranks}): {have} "
+        f"memory plan: stage {plan.stage} does not fit ({plan.device_type}, {ranks}): {have} "
         f"({plan.peak_phase} phase + 1 GiB + 5% margin; rough estimate, see rcgrpo.memory); "
         f"biggest: {biggest}; ways out: {way_text}"
     )

@@ -29,6 +29,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from rcgrpo.atomic import atomic_output
+from rcgrpo.errors import UserError
+
 __all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress", "log_line"]
 
 METRICS_FILE = "metrics.jsonl"
@@ -54,7 +57,7 @@ STANDARD_METRICS = {
 }
 
 
-class MetricsFileError(RuntimeError):
+class MetricsFileError(UserError, RuntimeError):
     """The metrics file is missing or unreadable (the message says where)."""
 
 
@@ -159,13 +162,9 @@ class MetricsLogger:
                 for rec in dropped:
                     f.write(json.dumps(rec) + "\n")
         if dropped or problems:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
+            with atomic_output(self.path) as f:
                 for rec in kept:
                     f.write(json.dumps(rec) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
 
     def _open_tensorboard(self):
         try:

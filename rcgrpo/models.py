@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from rcgrpo.errors import UserError
+
 HIGH_REWARD = "<|high_reward|>"
 LOW_REWARD = "<|low_reward|>"
 REWARD_TOKENS = (HIGH_REWARD, LOW_REWARD)
@@ -37,7 +39,7 @@ _FORMAT_VERSION = 2
 _MARKER = "rcgrpo_model.json"
 
 
-class ModelFolderError(RuntimeError):
+class ModelFolderError(UserError, RuntimeError):
     """A model folder is missing, incomplete or unreadable."""
 
 

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rcgrpo.errors import UserError
 from rcgrpo.metrics import METRICS_FILE, STANDARD_METRICS, MetricsFileError, read_records
 
 __all__ = ["write_report", "plot_metrics", "eval_table_markdown", "ReportError", "main"]
@@ -48,7 +49,7 @@ METHOD_NAMES = {"rctp+rc-grpo": "RCTP + RC-GRPO", "rctp+grpo": "RCTP + GRPO", "s
                 "sft+rc-grpo": "SFT + RC-GRPO"}
 
 
-class ReportError(RuntimeError):
+class ReportError(UserError, RuntimeError):
     """The run folder lacks what a report needs (the message says what)."""
 
 

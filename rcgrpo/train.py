@@ -25,7 +25,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rcgrpo import distributed
-from rcgrpo.config import PIPELINES, Config, ConfigError, parse_args
+from rcgrpo.config import PIPELINES, Config, parse_args
+from rcgrpo.errors import run_command
 
 
 def pick_device(name: str) -> torch.device:
@@ -160,13 +161,17 @@ def run(cfg: Config) -> int:
     from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
     from rcgrpo.policy import TrainablePolicy
     from rcgrpo.report import write_report
+    from rcgrpo.resume import check_resume
     from rcgrpo.rollout.agent_loop import RolloutConfig
     from rcgrpo.training.context import RunContext
     from rcgrpo.training.finetune import finetune
     from rcgrpo.training.grpo import train_rl
 
     seed_everything(cfg.data.seed)
-    if not cfg.run.resume:
+    if cfg.run.resume:
+        # Every rank checks (the same files), so all of them stop on a refusal.
+        check_resume(cfg, write=distributed.is_main())
+    else:
         if distributed.is_main():
             claim_fresh_run_dir(cfg)
         cfg.run.name = distributed.broadcast_object(cfg.run.name)
@@ -273,24 +278,19 @@ def engine_kwargs(cfg: Config, device: torch.device) -> dict:
     return kwargs
 
 
-@record  # under torchrun: the failing rank's traceback goes into the agent's summary
-def main(argv=None) -> int:
-    try:
-        cfg = parse_args(argv)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    from rcgrpo.memory import MemoryPlanError
-
+def train_command(argv: list[str]) -> int:
+    cfg = parse_args(argv)
     with distributed.guarded():  # a failing rank names itself and exits non-zero
         distributed.init(pick_device(cfg.run.device).type, cfg.run.dist_timeout_s)
-        try:
-            code = run(cfg)
-        except MemoryPlanError as exc:
-            print(f"memory plan: {exc}", file=sys.stderr)
-            code = 2
+        code = run(cfg)
         distributed.shutdown()
     return code
+
+
+@record  # under torchrun with --debug: the failing rank's traceback goes into the agent's summary
+def main(argv=None) -> int:
+    """Errors a user can fix are one line and exit code 2 (rcgrpo.errors)."""
+    return run_command("rcgrpo.train", train_command, argv)
 
 
 if __name__ == "__main__":

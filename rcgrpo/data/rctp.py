@@ -16,11 +16,11 @@ JSONL file so the fine-tuning stage can re-run without regenerating.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from rcgrpo.atomic import atomic_output
 from rcgrpo.batch import Trajectory
 from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, script_from_turns
 from rcgrpo.envs.bfcl import Episode
@@ -133,14 +133,9 @@ def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, fail
 
 def save_records(records: Sequence[Record], path: Path) -> Path:
     """JSONL, written to a temp file and renamed: a crash leaves no half file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    with atomic_output(path) as f:
         for r in records:
             f.write(json.dumps(asdict(r)) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
     return path
 
 

@@ -10,6 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from rcgrpo.errors import UserError
+
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 FILE_PREFIX = "BFCL_v4_multi_turn_"
 
@@ -28,7 +30,7 @@ DOC_FILES = {
 }
 
 
-class DataError(RuntimeError):
+class DataError(UserError, RuntimeError):
     """A BFCL data file is missing, unreadable or malformed."""
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from rcgrpo import distributed
+from rcgrpo.atomic import atomic_write_text
 from rcgrpo.checkpoint import load_latest, save_checkpoint
 from rcgrpo.config import Config
 from rcgrpo.metrics import DiscardingLogger, MetricsLogger, log_line
@@ -37,11 +38,7 @@ class RunContext:
     def mark_done(self, stage: str, info: dict) -> None:
         if not distributed.is_main():
             return
-        folder = self.run_dir / "stages"
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{stage}.done.tmp"
-        tmp.write_text(json.dumps(info, indent=1))
-        tmp.replace(folder / f"{stage}.done")
+        atomic_write_text(self.run_dir / "stages" / f"{stage}.done", json.dumps(info, indent=1))
 
     def export_model(self, stage: str, policy: TrainablePolicy) -> Path:
         """Save the stage's final policy (safetensors in `model.export_dtype`
