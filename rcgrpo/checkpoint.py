@@ -24,7 +24,13 @@ Why it is safe against a kill at any point:
   detect later damage (a truncated or edited file) and fall back;
 * ``latest`` is replaced atomically after the rename; ``load_latest`` does not
   depend on it (it scans and verifies), it is there for people and tools;
-* old checkpoints are pruned only after the new one is in place.
+* old checkpoints are pruned only after the new one is in place;
+* saving a step that already exists moves the old folder to ``.old`` before
+  the rename: a kill between those two renames leaves ``ckpt-N.old`` and a
+  complete ``ckpt-N.tmp`` and no ``ckpt-N``; ``load_latest`` finishes such a
+  save (the verified ``.tmp`` becomes ``ckpt-N``, else ``.old`` goes back), and
+  likewise promotes a verified ``.tmp`` whose save was killed just before its
+  rename, so a resume starts from the newest complete checkpoint.
 
 One writer per checkpoint root is assumed (the trainer's main process).
 """
@@ -66,6 +72,7 @@ MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{8})$")
 _TMP = re.compile(r"^ckpt-(\d{8})\.tmp$")
+_OLD = re.compile(r"^ckpt-(\d{8})\.old$")
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -335,6 +342,7 @@ def load_latest(root: str | os.PathLike, full_verify: bool = True) -> Optional[C
     root = Path(root)
     if not root.is_dir():
         return None
+    recover_interrupted_saves(root, full_verify)
     for p in sorted(root.iterdir()):
         if p.is_dir() and _TMP.match(p.name):
             warnings.warn(f"{p}: incomplete checkpoint left by an interrupted save; ignored", CheckpointWarning,
@@ -356,6 +364,51 @@ def load_latest(root: str | os.PathLike, full_verify: bool = True) -> Optional[C
     if reasons:
         raise CheckpointError(f"no usable checkpoint in {root}:\n  " + "\n  ".join(reasons))
     return None
+
+
+def recover_interrupted_saves(root: str | os.PathLike, full_verify: bool = True) -> list[str]:
+    """Finish or undo the saves under `root` that a kill stopped between
+    writing and renaming; returns what was done (each also warned).
+
+    A ``ckpt-N.tmp`` that verifies is the step's newest save, complete (its
+    manifest is written last) but not renamed: it becomes ``ckpt-N``, in the
+    same two renames a save makes (an existing ``ckpt-N`` to ``.old`` first).
+    Failing that, a ``ckpt-N.old`` without ``ckpt-N`` (the step's previous
+    save, moved aside for a re-save that did not finish) goes back; next to
+    its ``ckpt-N`` it is the leftover of a finished re-save and is removed.
+    Call it from the run's one writer; a kill during it is recovered the same
+    way next time.
+    """
+    root = Path(root)
+    done = []
+    names = {p.name for p in root.iterdir() if p.is_dir()}
+    steps = {int(m.group(1)) for n in names for m in [_TMP.match(n) or _OLD.match(n)] if m}
+    for step in sorted(steps):
+        final, tmp, old = (root / f"ckpt-{step:08d}{suffix}" for suffix in ("", ".tmp", ".old"))
+        if tmp.is_dir() and _verifies(tmp, full_verify):
+            if final.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_dir(root)
+            done.append(f"{tmp.name} was complete: renamed to {final.name}")
+        elif old.is_dir() and not final.is_dir():
+            os.rename(old, final)
+            fsync_dir(root)
+            done.append(f"{old.name} restored as {final.name} (its re-save did not finish)")
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    for line in done:
+        warnings.warn(f"{root}: {line}", CheckpointWarning, stacklevel=3)
+    return done
+
+
+def _verifies(path: Path, full: bool) -> bool:
+    try:
+        verify_checkpoint(path, full=full)
+    except CheckpointError:
+        return False  # a save killed while writing: load_latest reports it, the next save removes it
+    return True
 
 
 def folder_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:

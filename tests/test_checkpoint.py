@@ -221,33 +221,55 @@ def test_restore_missing_part_is_clear(tmp_path):
         load_latest(tmp_path).restore(optimizer=opt)
 
 
-@pytest.mark.slow
-def test_kill_during_saves_leaves_a_loadable_checkpoint(tmp_path):
-    """SIGKILL a process that saves in a loop; the survivor always loads."""
-    child = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(REPO)!r})
-        from tests.test_checkpoint import tiny_model
-        from rcgrpo.checkpoint import save_checkpoint
-        model = tiny_model()
-        opt = torch.optim.AdamW(model.parameters())
-        step = 0
-        while True:
-            save_checkpoint({str(tmp_path)!r}, step, model, optimizer=opt, keep_last=2)
-            print(step, flush=True)
-            step += 1
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        for _ in range(3):  # a few complete saves, then kill at an arbitrary moment
-            assert proc.stdout.readline(), "child died"
-        time.sleep(random.Random(0).uniform(0.0, 0.05))
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+def test_kill_at_every_line_of_a_save_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    """A real process is SIGKILLed just before each distinct line a save runs
+    (tests/crashpoints.py), for a new step and for a re-save of a step; the
+    survivor's load_latest then returns the newest complete checkpoint, with
+    exactly the weights that were saved, and the next save works."""
+    from tests.crashpoints import line_of
+
+    proc = subprocess.run([sys.executable, "-m", "tests.crashpoints", "sweep", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    manifest_written = line_of("(folder / MANIFEST).write_text(json.dumps(manifest, indent=2))")
+    for scenario, (old_seed, new_seed) in {"new-step": (1, 2), "re-save": (2, 3)}.items():
+        mine = [r for r in rows if r["scenario"] == scenario]
+        assert len(mine) > 40, mine  # every line of save_checkpoint and its helpers
+        complete_after = [r["line"] for r in mine].index(manifest_written)
+        for i, row in enumerate(mine):
+            assert row["killed"] and "error" not in row, row
+            assert row["seed"] == (new_seed if i > complete_after else old_seed), row
+            assert row["weights_match_seed"] and row["next_save_loads"], row
+    between = [r for r in rows if r["scenario"] == "re-save"
+               and {"ckpt-00000002.old", "ckpt-00000002.tmp"} <= set(r["on_disk"]) and "ckpt-00000002" not in r["on_disk"]]
+    assert between and all(r["seed"] == 3 for r in between), between
+
+
+def _fake_save(root, step, seed):
+    return save(root, step, tiny_model(seed), extra={"seed": seed})
+
+
+def test_recovery_between_the_two_renames(tmp_path):
+    # ckpt-5 moved aside to .old, the complete new save still in .tmp
+    _fake_save(tmp_path / "new", 5, seed=1)
+    _fake_save(tmp_path / "old", 5, seed=2)
+    os.rename(tmp_path / "new" / "ckpt-00000005", tmp_path / "ckpt-00000005.tmp")
+    os.rename(tmp_path / "old" / "ckpt-00000005", tmp_path / "ckpt-00000005.old")
+    with pytest.warns(CheckpointWarning, match="ckpt-00000005.tmp was complete"):
         ck = load_latest(tmp_path)
-    assert ck is not None and ck.step >= 2
-    verify_checkpoint(ck.path)
+    assert ck.step == 5 and ck.extra == {"seed": 1}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt-00000005"]
+
+
+def test_recovery_restores_old_when_the_new_save_is_incomplete(tmp_path):
+    _fake_save(tmp_path / "new", 5, seed=1)
+    _fake_save(tmp_path / "old", 5, seed=2)
+    os.rename(tmp_path / "new" / "ckpt-00000005", tmp_path / "ckpt-00000005.tmp")
+    (tmp_path / "ckpt-00000005.tmp" / "MANIFEST.json").unlink()  # killed before the manifest
+    os.rename(tmp_path / "old" / "ckpt-00000005", tmp_path / "ckpt-00000005.old")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = load_latest(tmp_path)
+    assert ck.step == 5 and ck.extra == {"seed": 2}
+    assert any("restored as ckpt-00000005" in str(w.message) for w in caught)
