@@ -10,8 +10,8 @@
 
     python -m tests.crashpoints train NTH_SAVE LINE_TEXT -- TRAIN_ARGS...
         `python -m rcgrpo.train TRAIN_ARGS`, killed during its NTH_SAVE-th
-        checkpoint save just before the line of checkpoint.py whose text is
-        LINE_TEXT.
+        checkpoint save just before the line of `save_checkpoint` whose text
+        is LINE_TEXT.
 """
 from __future__ import annotations
 
@@ -25,11 +25,17 @@ from pathlib import Path
 CHECKPOINT_FILE = str(Path(__file__).resolve().parents[1] / "rcgrpo" / "checkpoint.py")
 
 
-def line_of(text: str) -> int:
-    """The number of the one line of checkpoint.py that reads `text` (stripped)."""
-    lines = [i for i, line in enumerate(Path(CHECKPOINT_FILE).read_text().splitlines(), 1) if line.strip() == text]
+def line_of(text: str, function: str) -> int:
+    """The number of the one line of checkpoint.py's `function` that reads
+    `text` (stripped)."""
+    import inspect
+
+    import rcgrpo.checkpoint
+
+    source, first = inspect.getsourcelines(getattr(rcgrpo.checkpoint, function))
+    lines = [first + i for i, line in enumerate(source) if line.strip() == text]
     if len(lines) != 1:
-        raise LookupError(f"{len(lines)} lines of checkpoint.py read {text!r}")
+        raise LookupError(f"{len(lines)} lines of checkpoint.{function} read {text!r}")
     return lines[0]
 
 
@@ -135,7 +141,7 @@ def _train(nth_save: int, line_text: str, train_args: list[str]) -> None:
     import rcgrpo.training.context as context
 
     original, count = context.save_checkpoint, [0]
-    lineno = line_of(line_text)
+    lineno = line_of(line_text, "save_checkpoint")
 
     def save_checkpoint(*args, **kwargs):
         count[0] += 1

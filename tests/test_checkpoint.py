@@ -232,7 +232,7 @@ def test_kill_at_every_line_of_a_save_resumes_from_the_newest_complete_checkpoin
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    manifest_written = line_of("(folder / MANIFEST).write_text(json.dumps(manifest, indent=2))")
+    manifest_written = line_of("(folder / MANIFEST).write_text(json.dumps(manifest, indent=2))", "_write_manifest")
     for scenario, (old_seed, new_seed) in {"new-step": (1, 2), "re-save": (2, 3)}.items():
         mine = [r for r in rows if r["scenario"] == scenario]
         assert len(mine) > 40, mine  # every line of save_checkpoint and its helpers

@@ -1,57 +1,80 @@
-"""A training run killed mid-stage resumes from its latest good checkpoint,
-finishes, and its metrics continue from the right step."""
+"""A training run killed in the middle of a checkpoint save resumes from the
+newest complete checkpoint, ends with exactly the weights of a run that was
+never interrupted, and its metrics continue from the right step.
+
+The kill is a real SIGKILL of the trainer process at a chosen line of the save
+(tests/crashpoints.py), not after a fixed delay; every line of the save is
+covered at the checkpoint level by tests/test_checkpoint.py."""
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import torch
+
+from rcgrpo.checkpoint import folder_weights
 from rcgrpo.data.rctp import save_records
 from rcgrpo.models import HIGH_REWARD, LOW_REWARD
 
-from tests.training.conftest import chat_record
+from tests.training.conftest import chat_record, save_tiny_llama
 
-STEPS = 6  # every checkpoint of the 135M model + AdamW is ~1.6 GB: keep them few
-
-
-def train_cmd(data, out):
-    return [sys.executable, "-m", "rcgrpo.train", "--fused", "--stages", "rctp-data,rctp",
-            "--rctp.data_file", str(data), "--rctp.batch_size", "1", "--rctp.epochs", "1",
-            "--run.checkpoint_every", "2", "--run.keep_last", "2", "--out-dir", str(out), "--name", "resume"]
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+SAVE_EVERY = 2  # checkpoints at steps 2 and 4
 
 
-def test_killed_run_resumes_and_metrics_continue(tmp_path, tokenizer):
+def train_args(data, model, out, name):
+    return ["--fused", "--model", str(model), "--stages", "rctp-data,rctp", "--rctp.data_file", str(data),
+            "--rctp.batch_size", "1", "--rctp.epochs", "1", "--rctp.lr", "1e-3",
+            "--run.checkpoint_every", str(SAVE_EVERY), "--run.keep_last", "2", "--out-dir", str(out), "--name", name]
+
+
+def run(args, crash=None):
+    env = dict(os.environ, RCGRPO_PROGRESS="0", PYTHONPATH=str(ROOT))
+    prefix = ["-m", "tests.crashpoints", "train", *crash, "--"] if crash else ["-m", "rcgrpo.train"]
+    return subprocess.run([sys.executable, *prefix, *args], env=env, cwd=ROOT, capture_output=True, text=True)
+
+
+def weights(folder):
+    return dict(folder_weights(folder))
+
+
+def test_killed_mid_save_resumes_from_the_newest_complete_checkpoint(tmp_path, tokenizer):
     records = [
         chat_record(tokenizer, f"List the files, request {i}.", "[ls(a=True)]" if i % 2 else "[pwd()]",
                     HIGH_REWARD if i % 2 else LOW_REWARD, float(i % 2))
         for i in range(STEPS)
     ]
     data = save_records(records, tmp_path / "tiny.jsonl")
-    run_dir = tmp_path / "runs" / "resume"
-    env = dict(os.environ, RCGRPO_PROGRESS="0")
-    proc = subprocess.Popen(train_cmd(data, tmp_path / "runs"), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    ckpts = run_dir / "checkpoints" / "rctp"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if list(ckpts.glob("ckpt-*[0-9]")):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    before = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    killed_at = max(r["step"] for r in before if r["stage"] == "rctp")
-    assert 0 < killed_at < STEPS
+    model = save_tiny_llama(tmp_path / "tiny-llama", tokenizer)
+    runs = tmp_path / "runs"
 
-    done = subprocess.run(train_cmd(data, tmp_path / "runs") + ["--resume"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr + done.stdout
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    steps = [r["step"] for r in rows if r["stage"] == "rctp"]
-    assert steps == list(range(1, STEPS + 1)), steps  # each step once, in order
-    assert (run_dir / "models" / "rctp" / "model.safetensors").exists()
-    assert (run_dir / "stages" / "rctp.done").exists()
+    whole = run(train_args(data, model, runs, "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    # Killed in the save of step 4, after its folder is complete and before
+    # the rename that makes it a checkpoint.
+    killed = run(train_args(data, model, runs, "killed"), crash=["2", "os.rename(tmp, final)"])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    ckpts = runs / "killed" / "checkpoints" / "rctp"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("ckpt")) == ["ckpt-00000002",
+                                                                                     "ckpt-00000004.tmp"]
+
+    resumed = run(train_args(data, model, runs, "killed") + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stderr + resumed.stdout
+    assert "ckpt-00000004.tmp was complete" in log and "resumed from" in log and "(step 4)" in log
+
+    # At the step it resumed from, and at the end, it equals the uninterrupted run.
+    at_4 = weights(runs / "whole" / "checkpoints" / "rctp" / "ckpt-00000004" / "model")
+    for name, tensor in weights(ckpts / "ckpt-00000004" / "model").items():
+        assert torch.equal(tensor, at_4[name]), name
+    final = weights(runs / "whole" / "models" / "rctp")
+    for name, tensor in weights(runs / "killed" / "models" / "rctp").items():
+        assert torch.equal(tensor, final[name]), name
+
+    rows = [json.loads(line) for line in (runs / "killed" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows if r["stage"] == "rctp"] == list(range(1, STEPS + 1))  # each step once
+    assert (runs / "killed" / "stages" / "rctp.done").exists()
