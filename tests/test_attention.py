@@ -3,8 +3,6 @@ proof that it equals separate forwards on a real transformers model, forward
 and backward, and why each piece of the attention set-up is needed."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -135,25 +133,13 @@ def test_unsupported_attention_is_refused():
         packed_forward(model, pack([Trajectory([1, 2], [0, 1])]))
 
 
-def _converted_smollm2() -> Path | None:
-    """A converted SmolLM2 folder (rcgrpo.models' cache layout), if one exists."""
-    roots = [os.environ.get("RCGRPO_CACHE"), Path.home() / ".cache" / "rcgrpo",
-             Path(__file__).resolve().parents[1] / ".cache" / "rcgrpo"]
-    for root in roots:
-        if not root:
-            continue
-        for folder in sorted((Path(root) / "models").glob("smollm2*")):
-            if (folder / "config.json").is_file() and (folder / "rcgrpo_model.json").is_file():
-                return folder
-    return None
-
-
 @pytest.mark.slow
 def test_packed_forward_equals_separate_forwards_smollm2():
-    folder = _converted_smollm2()
-    if folder is None:
-        pytest.skip("no converted SmolLM2 folder under ~/.cache/rcgrpo/models (run rcgrpo.models.ensure_embedded_model)")
     from transformers import AutoModelForCausalLM
+
+    from rcgrpo.models import resolve_model_folder
+
+    folder = resolve_model_folder(None)  # the embedded SmolLM2, converted on first use
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa").eval()
     seqs = _ragged(model.config.vocab_size, lens=(23, 41, 9), seed=3)

@@ -182,7 +182,7 @@ def test_a_broken_run_config_exits_2_from_the_command_line(in_tmp):
     model = make_run(in_tmp, stage="sft")
     (in_tmp / "runs" / "run" / "config.toml").write_text("not = = toml\n")
     proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--model", str(model)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert "runs/run/config.toml" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rcgrpo.metrics import MetricsLogger, progress, read_records
+from tests.required import require
 
 
 def lines(run_dir):
@@ -85,7 +86,7 @@ def test_read_records_errors(tmp_path):
 
 
 def test_tensorboard_scalars(tmp_path):
-    pytest.importorskip("torch.utils.tensorboard")
+    require("tensorboard", "dev")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with MetricsLogger(tmp_path, stage="rc-grpo") as log:

@@ -18,15 +18,14 @@ def env() -> dict:
     return e
 
 
-def torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node nproc args...` (a free port per job)."""
     cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] + args
-    return subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True)
 
 
-def python(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable] + args, env=env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+def python(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable] + args, env=env(), cwd=ROOT, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="session")

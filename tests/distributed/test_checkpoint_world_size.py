@@ -33,7 +33,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(tmp_path, tokenizer):
     data = save_records(records, tmp_path / "tiny.jsonl")
     run_dir = tmp_path / "runs" / "ws"
 
-    two = torchrun(2, train_args(data, tmp_path / "runs"), timeout=400)
+    two = torchrun(2, train_args(data, tmp_path / "runs"))
     assert two.returncode == 0, two.stderr[-3000:]
     ckpt = run_dir / "checkpoints" / "rctp" / "ckpt-00000001"
     assert (ckpt / "MANIFEST.json").is_file() and (ckpt / "model" / "model.safetensors").is_file()
@@ -45,7 +45,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(tmp_path, tokenizer):
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "rctp"] == [1, 2]  # rank 0 alone wrote them
 
-    one = python(train_args(data, tmp_path / "runs") + ["--resume"], timeout=300)
+    one = python(train_args(data, tmp_path / "runs") + ["--resume"])
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resumed from" in one.stderr and "ckpt-00000001" in one.stderr
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -18,9 +18,9 @@ def test_two_ranks_make_the_one_process_update(tmp_path, tokenizer, model_dir):
     from safetensors.torch import load_file
 
     rollouts = build_rollouts(tokenizer, tmp_path / "rollouts.jsonl")
-    one = python(WORKER + [str(rollouts), str(tmp_path / "one")], timeout=300)
+    one = python(WORKER + [str(rollouts), str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(2, WORKER + [str(rollouts), str(tmp_path / "two")], timeout=400)
+    two = torchrun(2, WORKER + [str(rollouts), str(tmp_path / "two")])
     assert two.returncode == 0, two.stderr[-3000:]
 
     a, b = (json.loads((tmp_path / d / "stats.json").read_text()) for d in ("one", "two"))
@@ -63,9 +63,9 @@ def test_two_ranks_with_the_mixed_precision_policy_make_the_one_process_bf16_upd
 
     model_dir = save_tiny_llama(tmp_path / "tiny", tokenizer)
     rollouts = build_rollouts(tokenizer, tmp_path / "rollouts.jsonl")
-    one = python(WORKER + [str(rollouts), str(tmp_path / "one"), "bfloat16", str(model_dir)], timeout=300)
+    one = python(WORKER + [str(rollouts), str(tmp_path / "one"), "bfloat16", str(model_dir)])
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(2, WORKER + [str(rollouts), str(tmp_path / "two"), "bfloat16", str(model_dir)], timeout=400)
+    two = torchrun(2, WORKER + [str(rollouts), str(tmp_path / "two"), "bfloat16", str(model_dir)])
     assert two.returncode == 0, two.stderr[-3000:]
 
     a, b = (json.loads((tmp_path / d / "stats.json").read_text()) for d in ("one", "two"))

@@ -15,8 +15,9 @@ import torch
 
 import kernels
 from kernels_testlib import DEVICE, FAST_IMPLS, IMPLS, assert_close, cu_of, triton_ready
+from tests.required import require
 
-liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss")
+liger_grpo = require("liger_kernel.chunked_loss.grpo_loss", "dev")
 
 SEQLENS = [7, 3, 10, 5]
 H, V = 16, 53

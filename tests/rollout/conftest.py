@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from tests.required import require
+
 # Before vLLM is imported anywhere: keep the engine in this process, with a
 # small KV cache (GiB) that fits beside the HF model.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -29,7 +31,7 @@ def tokenizer(policy):
 
 @pytest.fixture(scope="session")
 def vllm_engine(policy):
-    pytest.importorskip("vllm")
+    require("vllm", "cpu")
     from rcgrpo.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(policy.path, max_model_len=MAX_MODEL_LEN, debug=True)
