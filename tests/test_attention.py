@@ -3,7 +3,6 @@ proof that it equals separate forwards on a real transformers model, forward
 and backward, and why each piece of the attention set-up is needed."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
