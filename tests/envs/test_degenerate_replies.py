@@ -2,7 +2,6 @@
 operators nested up to 10,000 deep) cannot crash an episode and cannot run
 anything: every bound is checked before anything recursive touches the text."""
 import ast
-import sys
 import uuid
 import warnings
 
@@ -14,39 +13,14 @@ from rcgrpo.envs.bfcl import Episode
 from rcgrpo.envs.calls import MAX_EXPR_DEPTH, _tree_depth, decode_calls, expression_depth_bound
 from rcgrpo.envs.executor import REFUSED_NAMES
 
+from tests.hostile import KINDS, AuditLog, wrap
+
 # A few entries whose episodes reach different API classes (MathAPI runs in
 # the worker process, the rest in this one).
 ENTRY_IDS = ["multi_turn_base_0", "multi_turn_base_50", "multi_turn_base_150", "multi_turn_miss_func_10",
              "multi_turn_long_context_5", "multi_turn_miss_param_120"]
 MARKER_DIR = None  # set by the fixture: where a hostile payload would leave a file
 
-
-def wrap(kind: str, inner: str, n: int) -> str:
-    """`inner` wrapped n times by one syntactic form (built iteratively)."""
-    forms = {
-        "call_nest": ("ls(a=" * n, ")" * n),
-        "call_chain": ("", "()" * n),
-        "attribute": ("", ".a" * n),
-        "subscript": ("", "[0]" * n),
-        "list": ("[" * n, "]" * n),
-        "tuple": ("(" * n, ",)" * n),
-        "dict": ("{'k': " * n, "}" * n),
-        "paren": ("(" * n, ")" * n),
-        "negate": ("-" * n, ""),
-        "not": ("not " * n, ""),
-        "add": ("", "+1" * n),
-        "power": ("", "**2" * n),
-        "compare": ("", "<1" * n),
-        "lambda": ("lambda: " * n, ""),
-        "ternary": ("1 if 1 else " * n, ""),
-        "keyword_call": ("dict(x=" * n, ")" * n),
-    }
-    head, tail = forms[kind]
-    return head + inner + tail
-
-
-KINDS = ["call_nest", "call_chain", "attribute", "subscript", "list", "tuple", "dict", "paren", "negate", "not",
-         "add", "power", "compare", "lambda", "ternary", "keyword_call"]
 SEEDS = st.one_of(
     st.integers(-10**30, 10**30).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
@@ -72,36 +46,11 @@ def degenerate_reply(draw, max_depth: int = 10_000) -> str:
     return shape.format(e=expr).replace("{m}", str(MARKER_DIR / f"pwned_{uuid.uuid4().hex}"))
 
 
-class AuditLog:
-    """Python audit events that mean something ran that must not."""
-
-    FORBIDDEN = ("os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.remove", "os.rmdir",
-                 "shutil.rmtree", "socket.connect", "ctypes.dlopen")
-
-    def __init__(self):
-        self.active = False
-        self.seen: list[str] = []
-        sys.addaudithook(self.hook)  # hooks cannot be removed; `active` gates this one
-
-    def hook(self, event, args):
-        if not self.active:
-            return
-        if event.startswith(self.FORBIDDEN):
-            self.seen.append(f"{event} {args!r:.120}")
-        elif event == "exec" and args and getattr(args[0], "co_filename", "").startswith("<"):
-            # Module imports exec their own files; code made from text has "<string>".
-            self.seen.append(f"exec of code from text: {args[0].co_filename}")
-        elif event == "subprocess.Popen" and "rcgrpo.envs.math_worker" not in " ".join(map(str, args[1] or [])):
-            self.seen.append(f"subprocess {args!r:.120}")
-        elif event == "open" and args and MARKER_DIR is not None and str(MARKER_DIR) in str(args[0]):
-            self.seen.append(f"open {args[0]}")
-
-
 @pytest.fixture(scope="module")
 def fuzz_env(by_id, tmp_path_factory):
     global MARKER_DIR
     MARKER_DIR = tmp_path_factory.mktemp("markers")
-    return [by_id[i] for i in ENTRY_IDS], AuditLog()
+    return [by_id[i] for i in ENTRY_IDS], AuditLog(MARKER_DIR)
 
 
 def check_step(entry, text: str, audit: AuditLog) -> None:

@@ -10,24 +10,9 @@ from hypothesis import strategies as st
 from rcgrpo.envs.bfcl import Episode
 from rcgrpo.envs.calls import MAX_INT_BITS, Call, DecodeError, decode_calls
 
-SAFE_NAMES = {"ls": print, "cd": print, "mkdir": print}
+from tests.hostile import HOSTILE
 
-HOSTILE = [
-    "__import__('os').system('touch {p}')",
-    "ls(a=__import__('os').system('touch {p}'))",
-    "open(file='{p}', mode='w')",
-    "cd(folder=open('{p}', 'w'))",
-    "mkdir(dir_name=(lambda: __import__('os').system('touch {p}'))())",
-    "ls(a=[__import__('os').system('touch {p}') for _ in [0]])",
-    "os.system('touch {p}')",
-    "cd.__globals__['os'].system('touch {p}')",
-    "exec(source=\"open('{p}','w')\")",
-    "eval(\"open('{p}','w')\")",
-    "mkdir(dir_name='{p}'.join(['a']))",
-    "cd(folder=f\"{{__import__('os').system('touch {p}')}}\")",
-    "mkdir(dir_name=print.__self__.__import__('os').system('touch {p}'))",
-    "mkdir(**{{'dir_name': __import__('os').system('touch {p}')}})",
-]
+SAFE_NAMES = {"ls": print, "cd": print, "mkdir": print}
 
 FRAGMENTS = st.sampled_from([
     "[", "]", "(", ")", ",", "=", "'", '"', "ls", "cd", "mkdir", "a", "folder", "x", "1", "-", "2.5",

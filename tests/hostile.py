@@ -1,0 +1,77 @@
+"""Model replies meant to break the environment, shared by the security
+tests, the degenerate-reply fuzz test and the soak benchmark."""
+from __future__ import annotations
+
+import sys
+
+# Each would touch a file named {p} if anything ran it.
+HOSTILE = [
+    "__import__('os').system('touch {p}')",
+    "ls(a=__import__('os').system('touch {p}'))",
+    "open(file='{p}', mode='w')",
+    "cd(folder=open('{p}', 'w'))",
+    "mkdir(dir_name=(lambda: __import__('os').system('touch {p}'))())",
+    "ls(a=[__import__('os').system('touch {p}') for _ in [0]])",
+    "os.system('touch {p}')",
+    "cd.__globals__['os'].system('touch {p}')",
+    "exec(source=\"open('{p}','w')\")",
+    "eval(\"open('{p}','w')\")",
+    "mkdir(dir_name='{p}'.join(['a']))",
+    "cd(folder=f\"{{__import__('os').system('touch {p}')}}\")",
+    "mkdir(dir_name=print.__self__.__import__('os').system('touch {p}'))",
+    "mkdir(**{{'dir_name': __import__('os').system('touch {p}')}})",
+]
+
+
+def wrap(kind: str, inner: str, n: int) -> str:
+    """`inner` wrapped n times by one syntactic form (built iteratively)."""
+    forms = {
+        "call_nest": ("ls(a=" * n, ")" * n),
+        "call_chain": ("", "()" * n),
+        "attribute": ("", ".a" * n),
+        "subscript": ("", "[0]" * n),
+        "list": ("[" * n, "]" * n),
+        "tuple": ("(" * n, ",)" * n),
+        "dict": ("{'k': " * n, "}" * n),
+        "paren": ("(" * n, ")" * n),
+        "negate": ("-" * n, ""),
+        "not": ("not " * n, ""),
+        "add": ("", "+1" * n),
+        "power": ("", "**2" * n),
+        "compare": ("", "<1" * n),
+        "lambda": ("lambda: " * n, ""),
+        "ternary": ("1 if 1 else " * n, ""),
+        "keyword_call": ("dict(x=" * n, ")" * n),
+    }
+    head, tail = forms[kind]
+    return head + inner + tail
+
+
+KINDS = ["call_nest", "call_chain", "attribute", "subscript", "list", "tuple", "dict", "paren", "negate", "not",
+         "add", "power", "compare", "lambda", "ternary", "keyword_call"]
+
+
+class AuditLog:
+    """Python audit events that mean something ran that must not."""
+
+    FORBIDDEN = ("os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.remove", "os.rmdir",
+                 "shutil.rmtree", "socket.connect", "ctypes.dlopen")
+
+    def __init__(self, marker_dir=None):
+        self.active = False
+        self.seen: list[str] = []
+        self.marker_dir = None if marker_dir is None else str(marker_dir)
+        sys.addaudithook(self.hook)  # hooks cannot be removed; `active` gates this one
+
+    def hook(self, event, args):
+        if not self.active:
+            return
+        if event.startswith(self.FORBIDDEN):
+            self.seen.append(f"{event} {args!r:.120}")
+        elif event == "exec" and args and getattr(args[0], "co_filename", "").startswith("<"):
+            # Module imports exec their own files; code made from text has "<string>".
+            self.seen.append(f"exec of code from text: {args[0].co_filename}")
+        elif event == "subprocess.Popen" and "rcgrpo.envs.math_worker" not in " ".join(map(str, args[1] or [])):
+            self.seen.append(f"subprocess {args!r:.120}")
+        elif event == "open" and args and self.marker_dir is not None and self.marker_dir in str(args[0]):
+            self.seen.append(f"open {args[0]}")
