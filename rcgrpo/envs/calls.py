@@ -115,8 +115,9 @@ def decode_calls(
         raise DecodeError(f"reply nests up to {bound} levels deep, over the bound of {MAX_EXPR_DEPTH}; not parsed")
     try:
         with warnings.catch_warnings():
-            # Model text like "1abc" makes the parser warn; it is data, not code.
+            # Model text like "1abc" or "'\R'" makes the parser warn; it is data, not code.
             warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
             tree = ast.parse(body, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise DecodeError(f"not a python call list: {type(exc).__name__}: {exc}") from None

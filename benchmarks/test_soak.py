@@ -1,0 +1,196 @@
+"""Soak: thousands of episodes of every category, driven through the agent
+loop's environment path (`run_episodes` -> `Episode.step`) by replies drawn
+from ground truth, perturbed ground truth, garbage text, hostile calls and
+degenerate calls nested up to 10,000 deep.
+
+    pytest benchmarks/test_soak.py --benchmark-only -s    (~10 min on 2 cores)
+    RCGRPO_SOAK_EPISODES=200 ... for a quick look
+
+Reports episodes run, exceptions escaped (target 0), forbidden things run
+(target 0: audit events and marker files), resident memory at the start and
+the end (target: growth under 200 MB), worker processes and temporary files
+left over (target 0) and the time; writes .benchmarks/soak.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import string
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from rcgrpo.data.expert import ScriptedEngine, expert_turns, perturbed_turns, script_from_turns
+from rcgrpo.envs.bfcl import CATEGORIES, Episode, load_entries
+from rcgrpo.envs.executor import REFUSED_NAMES
+from rcgrpo.envs.math_worker import StatelessCallRunner
+from rcgrpo.models import load_tokenizer, resolve_model_folder
+from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
+from tests.hostile import HOSTILE, KINDS, AuditLog, wrap
+
+EPISODES = int(os.environ.get("RCGRPO_SOAK_EPISODES", "2000"))
+REPLY_KINDS = ("ground_truth", "perturbed", "garbage", "hostile", "degenerate", "mixed")
+MAX_GROWTH_MB = 200
+OUT = Path(__file__).resolve().parents[1] / ".benchmarks" / "soak.json"
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def child_processes() -> list[str]:
+    """(pid, state, command) of this process's children, from /proc."""
+    me, out = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            pid = stat.parent.name
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            out.append(f"{pid} {fields[0]} {cmd}")
+    return out
+
+
+class Replies:
+    """Scripts of model replies of each kind, seeded."""
+
+    def __init__(self, rng: random.Random, marker_dir: Path):
+        self.rng, self.marker_dir = rng, marker_dir
+
+    def script(self, kind: str, entry) -> list[str]:
+        if kind == "ground_truth":
+            return script_from_turns(expert_turns(entry))
+        if kind == "perturbed":
+            turns = perturbed_turns(entry, self.rng.choice(["dropped", "wrong_value"]), self.rng.randrange(10**6))
+            return script_from_turns(turns if turns is not None else expert_turns(entry))
+        if kind == "mixed":
+            return [self.one(self.rng.choice(["garbage", "hostile", "degenerate"]), entry)
+                    if self.rng.random() < 0.5 else reply for reply in script_from_turns(expert_turns(entry))]
+        return [self.one(kind, entry) for _ in range(self.rng.randint(1, 8))]
+
+    def one(self, kind: str, entry) -> str:
+        rng = self.rng
+        if kind == "garbage":
+            form = rng.randrange(3)
+            if form == 0:
+                return "".join(rng.choice(string.printable) for _ in range(rng.randint(0, 400)))
+            if form == 1:
+                return "".join(rng.choice("[](){},='\"ls cd 1.5 -_:*") for _ in range(rng.randint(1, 400)))
+            return "".join(chr(rng.randint(0x20, 0x2FFF)) for _ in range(rng.randint(1, 200)))
+        if kind == "hostile":
+            marker = self.marker_dir / f"pwned_{uuid.uuid4().hex}"
+            return "[" + rng.choice(HOSTILE).format(p=marker) + "]"
+        if kind == "degenerate":
+            expr = rng.choice(["1", "'x'", "ls()", "a", "None", "[1, 2]"])
+            for _ in range(rng.randint(1, 3)):
+                expr = wrap(rng.choice(KINDS), expr, rng.randint(1, 10_000 // 3))
+            return rng.choice(["[ls(a={e})]", "{e}", "[{e}, pwd()]", "[cd(folder={e})]"]).format(e=expr)
+        raise ValueError(kind)
+
+
+class AuditedEpisode(Episode):
+    """An episode whose handling of each reply (decode and execute) runs under
+    the audit hook. The chat template and the official checker, which compile
+    code of their own, run outside it."""
+
+    def __init__(self, entry, audit: AuditLog):
+        super().__init__(entry)
+        self.audit = audit
+
+    def step(self, assistant_text: str):
+        self.audit.active = True
+        try:
+            return super().step(assistant_text)
+        finally:
+            self.audit.active = False
+
+
+def soak(episodes: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    tokenizer = load_tokenizer(resolve_model_folder(None))
+    by_category = {c: [] for c in CATEGORIES}
+    for entry in load_entries():
+        by_category[entry.category].append(entry)
+    marker_dir = Path(tempfile.mkdtemp(prefix="rcgrpo-soak-markers-"))
+    audit = AuditLog(marker_dir)
+    replies = Replies(rng, marker_dir)
+    # Long enough that degenerate replies reach the environment whole.
+    config = RolloutConfig(max_new_tokens=40_000, max_total_tokens=200_000, progress=False)
+    tmp_before = set(os.listdir(tempfile.gettempdir()))
+    rss_start = rss_mb()
+    counts, escaped, executed_wrongly, end_reasons = Counter(), [], [], Counter()
+    t0 = time.perf_counter()
+    rss_after_100 = None
+    for i in range(episodes):
+        category = CATEGORIES[i % len(CATEGORIES)]
+        entry = rng.choice(by_category[category])
+        kind = REPLY_KINDS[rng.randrange(len(REPLY_KINDS))]
+        counts[kind] += 1
+        episodes_made = []
+
+        def episode(e):
+            episodes_made.append(AuditedEpisode(e, audit))
+            return episodes_made[-1]
+
+        script = replies.script(kind, entry)
+        try:
+            (rollout,) = run_episodes(ScriptedEngine(tokenizer, script), tokenizer, [entry], group_size=1,
+                                      config=config, reward_tokens=[None], episode_factory=episode)
+            end_reasons[rollout.end_reason] += 1
+        except Exception as exc:  # the thing this soak is looking for
+            escaped.append(f"{entry.id} {kind}: {type(exc).__name__}: {str(exc)[:200]}")
+        for ep in episodes_made:
+            allowed = ep._executor.bound_methods()
+            for call in ep._executed:
+                if call.rejected is not None or call.name not in allowed or call.name in REFUSED_NAMES:
+                    executed_wrongly.append(f"{entry.id}: {call}")
+        if i == 99:
+            rss_after_100 = rss_mb()
+    seconds = time.perf_counter() - t0
+    rss_end = rss_mb()
+    markers = [p.name for p in marker_dir.iterdir()]
+    if not markers:
+        marker_dir.rmdir()
+    children = child_processes()
+    StatelessCallRunner.shared().kill()  # the one shared MathAPI worker, alive by design until now
+    leftover = child_processes()
+    tmp_new = sorted(set(os.listdir(tempfile.gettempdir())) - tmp_before - {marker_dir.name})
+    return {
+        "episodes": episodes,
+        "by_reply_kind": dict(counts),
+        "end_reasons": dict(end_reasons),
+        "exceptions_escaped": len(escaped),
+        "escaped_examples": escaped[:5],
+        "forbidden_executed": len(executed_wrongly) + len(audit.seen) + len(markers),
+        "forbidden_examples": (executed_wrongly + audit.seen + markers)[:5],
+        "rss_start_mb": round(rss_start, 1),
+        "rss_after_100_mb": round(rss_after_100 or rss_end, 1),
+        "rss_end_mb": round(rss_end, 1),
+        "rss_growth_mb": round(rss_end - rss_start, 1),
+        "children_at_end": children,
+        "leftover_processes_after_worker_stop": leftover,
+        "leftover_temp_files": tmp_new,
+        "seconds": round(seconds, 1),
+        "ms_per_episode": round(1000 * seconds / episodes, 1),
+    }
+
+
+def test_soak(benchmark):
+    report = benchmark.pedantic(soak, args=(EPISODES,), rounds=1, iterations=1)
+    benchmark.extra_info.update({k: v for k, v in report.items() if not isinstance(v, list)})
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(report, indent=1))
+    print("\n" + "\n".join(f"{k:>38}: {v}" for k, v in report.items()))
+    assert report["exceptions_escaped"] == 0, report["escaped_examples"]
+    assert report["forbidden_executed"] == 0, report["forbidden_examples"]
+    assert report["rss_growth_mb"] < MAX_GROWTH_MB
+    assert report["leftover_processes_after_worker_stop"] == [] and report["leftover_temp_files"] == []
+    assert len(report["children_at_end"]) <= 1  # at most the shared MathAPI worker
