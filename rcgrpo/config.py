@@ -31,7 +31,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from rcgrpo.atomic import atomic_write_text
 from rcgrpo.errors import UserError
@@ -366,52 +366,30 @@ def _fields(obj) -> dict[str, tuple[dataclasses.Field, Any]]:
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(obj)}
 
 
+def _leaves(obj, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any, Any]]:
+    """(dotted key, field, type, value) of every setting, in declaration order."""
+    for name, (f, tp) in _fields(obj).items():
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, prefix + name + ".")
+        else:
+            yield prefix + name, f, tp, value
+
+
 def all_keys(cfg: Optional[Config] = None) -> dict[str, tuple[Any, str]]:
     """Every dotted key -> (type, help), in declaration order."""
-    out: dict[str, tuple[Any, str]] = {}
-
-    def walk(obj, prefix):
-        for name, (f, tp) in _fields(obj).items():
-            value = getattr(obj, name)
-            if dataclasses.is_dataclass(value):
-                walk(value, prefix + name + ".")
-            else:
-                out[prefix + name] = (tp, f.metadata.get("help", ""))
-
-    walk(cfg or Config(), "")
-    return out
+    return {key: (tp, f.metadata.get("help", "")) for key, f, tp, _ in _leaves(cfg or Config())}
 
 
 def flat_values(cfg: Config) -> dict[str, Any]:
     """Every dotted key -> its value in `cfg`."""
-    out: dict[str, Any] = {}
-
-    def walk(obj, prefix):
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, prefix + f.name + ".")
-            else:
-                out[prefix + f.name] = value
-
-    walk(cfg, "")
-    return out
+    return {key: value for key, _, _, value in _leaves(cfg)}
 
 
 def resume_safe_keys() -> frozenset[str]:
-    """The dotted keys whose fields say `resume_safe` (see `_f`)."""
-    out = set()
-
-    def walk(obj, prefix):
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, prefix + f.name + ".")
-            elif f.metadata.get("resume_safe"):
-                out.add(prefix + f.name)
-
-    walk(Config(), "")
-    return frozenset(out | {"preset"})  # the preset's effect shows in the values it set
+    """The dotted keys whose fields say `resume_safe` (see `_f`); and the
+    preset name, whose effect shows in the values it set."""
+    return frozenset({key for key, f, _, _ in _leaves(Config()) if f.metadata.get("resume_safe")} | {"preset"})
 
 
 # The paper's symbols and other trainers' names for our settings, so that a
@@ -694,8 +672,9 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     problems: list[str] = []
     # inf and nan pass most range checks (and 1e400 parses as inf): every
     # float setting is checked first, and its other checks are then skipped.
-    not_finite = {k for k, v in flat_values(cfg).items() if isinstance(v, float) and not math.isfinite(v)}
-    problems.extend(f"{k} must be a finite number, got {flat_values(cfg)[k]}" for k in sorted(not_finite))
+    values = flat_values(cfg)
+    not_finite = sorted(k for k, v in values.items() if isinstance(v, float) and not math.isfinite(v))
+    problems.extend(f"{k} must be a finite number, got {values[k]}" for k in not_finite)
 
     def need(cond: bool, msg: str) -> None:
         if not cond and msg.split(" ", 1)[0].rstrip(":") not in not_finite:
