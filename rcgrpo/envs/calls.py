@@ -214,7 +214,7 @@ def _skip_string(text: str, i: int, frame: list) -> int:
     while j < n and not text.startswith(quote, j):
         if "f" in prefix and text[j] in _OPERATOR_CHARS | set("([{"):
             frame[0] += 1  # code inside an f-string's braces
-        j += 2 if text[j] == "\\" and "r" not in prefix else 1
+        j += 2 if text[j] == "\\" else 1  # even in a raw string, \' does not end it
     return j + len(quote)
 
 
