@@ -72,7 +72,7 @@ def check_step(entry, text: str, audit: AuditLog) -> None:
     assert not any(MARKER_DIR.iterdir()), list(MARKER_DIR.iterdir())
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                    HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_degenerate_replies_never_raise_or_run(fuzz_env, data):
@@ -95,7 +95,7 @@ def test_the_reported_replies_end_the_turn_with_a_reason(fuzz_env, text):
     assert step.turn_ended and "bound" in step.decode_error, step.decode_error
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(degenerate_reply(max_depth=40))
 def test_depth_bound_holds_for_every_text_that_parses(text):
     """The pre-parse scan never under-estimates the tree depth it guards."""
