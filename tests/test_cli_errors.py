@@ -52,6 +52,22 @@ def test_resume_of_a_run_that_does_not_exist_names_the_runs_that_do(tmp_path, ca
     assert not (tmp_path / "gamma").exists()  # nothing was started
 
 
+@pytest.mark.parametrize("content, says", [
+    (b'{"entry_id": 1}\n', "RCTP data file is malformed"),
+    (b"\xff\xfe garbage", "is not UTF-8 text"),
+    (b"", "holds no records"),
+])
+def test_a_bad_rctp_data_file_is_one_line(tmp_path, capsys, monkeypatch, content, says):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    argv = ["--stages", "rctp", "--rctp.data_file", str(data), "--out-dir", str(tmp_path / "runs"),
+            "--data.entry_ids", "multi_turn_base_1"]
+    assert train_cli.main(argv) == 2
+    line = one_line_error(capsys, "rcgrpo.train")
+    assert says in line and str(data) in line
+
+
 def test_eval_model_that_does_not_exist(capsys, monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     assert eval_cli.main(["--model", "/does/not/exist"]) == 2

@@ -24,6 +24,7 @@ from rcgrpo.atomic import atomic_output
 from rcgrpo.batch import Trajectory
 from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, script_from_turns
 from rcgrpo.envs.bfcl import Episode
+from rcgrpo.errors import UserError
 from rcgrpo.metrics import log_line, progress
 from rcgrpo.models import HIGH_REWARD, LOW_REWARD
 from rcgrpo.prompts import ChatTokens, initial_messages
@@ -139,21 +140,31 @@ def save_records(records: Sequence[Record], path: Path) -> Path:
     return path
 
 
+class RctpDataError(UserError, ValueError):
+    """An RCTP data file is missing, unreadable, malformed or empty (names the file and line)."""
+
+
 def load_records(path: Path) -> list[Record]:
     if not Path(path).exists():
-        raise FileNotFoundError(f"RCTP data file is missing: {path}")
+        raise RctpDataError(f"RCTP data file is missing: {path}")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise RctpDataError(f"RCTP data file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     records = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
             record = Record(**row)
         except (json.JSONDecodeError, TypeError) as exc:
-            raise ValueError(f"RCTP data file is malformed: {path}:{lineno}: {exc}") from None
+            raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno}: {exc}") from None
         if len(record.token_ids) != len(record.loss_mask):
-            raise ValueError(f"RCTP data file is malformed: {path}:{lineno}: ids and mask differ in length")
+            raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno}: ids and mask differ in length")
         records.append(record)
+    if not records:
+        raise RctpDataError(f"RCTP data file {path} holds no records")
     return records
 
 

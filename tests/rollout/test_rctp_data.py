@@ -2,7 +2,7 @@
 1:1 expert:failure, saved and reloaded exactly. (Here to share the vLLM engine.)"""
 import pytest
 
-from rcgrpo.data.rctp import build_rctp, load_records, save_records, summary
+from rcgrpo.data.rctp import RctpDataError, build_rctp, load_records, save_records, summary
 from rcgrpo.envs.bfcl import load_entries, split_train_test
 from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
 from rcgrpo.rollout.agent_loop import RolloutConfig
@@ -49,5 +49,11 @@ def test_malformed_rctp_file_is_named(tmp_path):
     bad.write_text('{"entry_id": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_records(bad)
-    with pytest.raises(FileNotFoundError, match="missing"):
+    with pytest.raises(RctpDataError, match="missing"):
         load_records(tmp_path / "absent.jsonl")
+    bad.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(RctpDataError, match="not UTF-8"):
+        load_records(bad)
+    bad.write_text("\n\n")
+    with pytest.raises(RctpDataError, match="holds no records"):
+        load_records(bad)
