@@ -274,8 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_command("rcgrpo.eval", eval_command, argv)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors as one line too (rcgrpo.errors prints it, exit 2)."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{message} (see --help)")
+
+
 def eval_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rcgrpo.eval", description=__doc__,
+    parser = _OneLineParser(prog="python -m rcgrpo.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--replay", type=Path, metavar="FILE.jsonl")

@@ -68,6 +68,18 @@ def test_a_bad_rctp_data_file_is_one_line(tmp_path, capsys, monkeypatch, content
     assert says in line and str(data) in line
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--replay", "x.jsonl"], "--replay needs --out"),
+    (["--model", "m", "--split", "dev"], "argument --split: invalid choice: 'dev'"),
+    (["--nonsense"], "one of the arguments --replay --ground-truth --model is required"),
+    (["--ground-truth", "--subset", "many"], "argument --subset: invalid int value: 'many'"),
+])
+def test_eval_usage_errors_are_one_line(capsys, monkeypatch, argv, says):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert eval_cli.main(argv) == 2
+    assert says in one_line_error(capsys, "rcgrpo.eval")
+
+
 def test_eval_model_that_does_not_exist(capsys, monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     assert eval_cli.main(["--model", "/does/not/exist"]) == 2
