@@ -766,7 +766,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _validate_world(cfg, need)
     need(cfg.data.doc_style in DOC_STYLES, f"data.doc_style must be one of {DOC_STYLES}, got {cfg.data.doc_style!r}")
     need(run.log_every >= 1, f"run.log_every must be >= 1, got {run.log_every}")
-    unknown = [k for k in run.accept_changes or [] if k not in all_keys()]
+    unknown = [k for k in run.accept_changes or [] if k not in values]
     need(not unknown, f"run.accept_changes: {unknown} are not settings")
 
     if check_files:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rcgrpo.config import Config, ConfigError, flat_values, resume_safe_keys
-from rcgrpo.errors import UserError
+from rcgrpo.config import Config, flat_values, resume_safe_keys
+from rcgrpo.errors import UserError, one_line
 
 __all__ = ["ResumeError", "Difference", "CHANGES_FILE", "config_differences", "check_resume"]
 
@@ -66,8 +66,7 @@ def load_saved_config(run_dir: Path) -> Config:
         data = json.loads(path.read_text(encoding="utf-8"))
         return Config.from_dict(data, source=str(path), check_files=False)
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
-        detail = "; ".join(exc.problems) if isinstance(exc, ConfigError) else str(exc)
-        raise ResumeError(f"--resume: the saved config {path} cannot be used: {detail}") from exc
+        raise ResumeError(f"--resume: the saved config {path} cannot be used: {one_line(exc)}") from exc
 
 
 def check_resume(cfg: Config, write: bool = True) -> list[Difference]:

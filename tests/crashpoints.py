@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 CHECKPOINT_FILE = str(Path(__file__).resolve().parents[1] / "rcgrpo" / "checkpoint.py")
@@ -110,8 +111,6 @@ def _sweep(workdir: Path) -> None:
             state = sorted(p.name for p in root.iterdir())
             row = {"scenario": name, "line": lineno, "killed": killed, "on_disk": state}
             try:
-                import warnings
-
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     ck = load_latest(root)

@@ -51,7 +51,8 @@ MAX_EXPR_DEPTH = 100
 
 _OPERATOR_CHARS = frozenset("+-*/%@&|^~<>=!.")
 _OPERATOR_WORDS = frozenset({"not", "and", "or", "if", "else", "lambda", "in", "is", "await", "yield", "for"})
-_OPEN = {"(": ")", "[": "]", "{": "}"}
+_OPEN, _CLOSE = "([{", ")]}"
+_FSTRING_CODE = _OPERATOR_CHARS | frozenset(_OPEN)  # counted inside an f-string
 _NUMBER = re.compile(r"0[xXoObB][0-9a-fA-F_]*|\d[\d_]*(\.[\d_]*)?([eE][+-]?[\d_]+)?[jJ]?")
 
 
@@ -147,8 +148,8 @@ def expression_depth_bound(text: str) -> int:
     Unbalanced text is bounded as far as it goes; the parser rejects it.
     """
     # One frame per open group: [ops in the current element, deepest group
-    # in it, deepest element so far, expected closer].
-    stack = [[0, 0, 0, ""]]
+    # in it, deepest element so far].
+    stack = [[0, 0, 0]]
     after_atom = False  # a '(' or '[' here is a call or subscript of what precedes
     i, n = 0, len(text)
     while i < n:
@@ -173,9 +174,9 @@ def expression_depth_bound(text: str) -> int:
             continue
         if ch in _OPEN:
             stack[-1][0] += after_atom and ch != "{"  # the call/subscript node
-            stack.append([0, 0, 0, _OPEN[ch]])
-        elif ch in ")]}" and len(stack) > 1:
-            ops, child, best, _ = stack.pop()
+            stack.append([0, 0, 0])
+        elif ch in _CLOSE and len(stack) > 1:
+            ops, child, best = stack.pop()
             group = max(best, ops + child) + 1
             stack[-1][1] = max(stack[-1][1], group)
         elif ch == ",":
@@ -184,12 +185,12 @@ def expression_depth_bound(text: str) -> int:
             top[0] = top[1] = 0
         elif ch in _OPERATOR_CHARS:
             stack[-1][0] += 1
-        after_atom = ch in ")]}"
+        after_atom = ch in _CLOSE
         i += 1
     # Groups left open still count to their current depth; +1 for the
     # leaves' context nodes (Load).
     depth = 0
-    for ops, child, best, _ in reversed(stack):
+    for ops, child, best in reversed(stack):
         depth = max(best, ops + max(child, depth)) + 1
     return depth + 1
 
@@ -212,7 +213,7 @@ def _skip_string(text: str, i: int, frame: list) -> int:
     j += len(quote)
     n = len(text)
     while j < n and not text.startswith(quote, j):
-        if "f" in prefix and text[j] in _OPERATOR_CHARS | set("([{"):
+        if "f" in prefix and text[j] in _FSTRING_CODE:
             frame[0] += 1  # code inside an f-string's braces
         j += 2 if text[j] == "\\" else 1  # even in a raw string, \' does not end it
     return j + len(quote)
