@@ -240,12 +240,17 @@ def grpo_token_terms(logp, old, ref, adv, eps_low, eps_high, beta):
     return loss, dloss, is_clipped, kl
 
 
-def _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens):
+def _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens, token_weights, n):
+    """Loss positions, each one's advantage and its weight in the reduced loss:
+    the loss type's per-sequence weight times the caller's per-token weight."""
     pos = packing.loss_positions(loss_mask)
     seq = packing.sequence_ids(pos, cu_seqlens)
     counts = packing.loss_token_counts(loss_mask.reshape(-1).bool(), cu_seqlens)
-    w_seq = packing.sequence_loss_weights(counts, loss_type, max_tokens)
-    return pos, advantages.detach().float()[seq], w_seq[seq]
+    w = packing.sequence_loss_weights(counts, loss_type, max_tokens)[seq]
+    tw = packing.gather_per_token(token_weights, pos, n)
+    if tw is not None:
+        w = w * tw.detach()
+    return pos, advantages.detach().float()[seq], w
 
 
 def _stats(clipped_count, kl_sum, ent_sum, num_tokens):
@@ -261,9 +266,10 @@ def _stats(clipped_count, kl_sum, ent_sum, num_tokens):
 class _GrpoLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens,
-                eps_low, eps_high, beta, loss_type, max_tokens):
+                eps_low, eps_high, beta, loss_type, max_tokens, token_weights):
         n = logp.numel()
-        pos, adv, w = _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens)
+        pos, adv, w = _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens,
+                                        token_weights, n)
         lp = logp.reshape(-1).index_select(0, pos).float()
         old = packing.gather_per_token(old_logp, pos, n)
         ref = packing.gather_per_token(ref_logp, pos, n)
@@ -280,14 +286,15 @@ class _GrpoLoss(torch.autograd.Function):
         pos, g = ctx.saved_tensors
         dlogp = torch.zeros(ctx.n, dtype=torch.float32, device=g.device)
         dlogp.index_copy_(0, pos, g * grad_loss.float())
-        return (dlogp.reshape(ctx.shape).to(ctx.dtype),) + (None,) * 10
+        return (dlogp.reshape(ctx.shape).to(ctx.dtype),) + (None,) * 11
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low=0.2, eps_high=0.2,
-              beta=0.0, loss_type="grpo", *, max_tokens=None):
+              beta=0.0, loss_type="grpo", *, max_tokens=None, token_weights=None):
     packing.check_loss_type(loss_type)
     loss, *vals = _GrpoLoss.apply(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens,
-                                  float(eps_low), float(eps_high), float(beta), loss_type, max_tokens)
+                                  float(eps_low), float(eps_high), float(beta), loss_type, max_tokens,
+                                  token_weights)
     keys = ["clip_frac"] + (["kl"] if ref_logp is not None else [])
     return loss, dict(zip(keys, vals))
 
@@ -304,11 +311,12 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
                 eps_low, eps_high, beta, temperature, loss_type, max_tokens, compute_entropy, need_grad,
-                chunk_rows):
+                chunk_rows, token_weights):
         n, hdim = hidden.shape
         v = weight.shape[0]
         dev = hidden.device
-        pos, adv, w = _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens)
+        pos, adv, w = _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens,
+                                        token_weights, n)
         m = pos.numel()
         old = packing.gather_per_token(old_logp, pos, n)
         ref = packing.gather_per_token(ref_logp, pos, n)
@@ -380,19 +388,19 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
             dweight = scaled(dw, w_dtype)
         if db is not None:
             dbias = scaled(db, b_dtype)
-        return (dhidden, dweight, dbias) + (None,) * 15
+        return (dhidden, dweight, dbias) + (None,) * 16
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp=None,
                            ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, temperature=1.0,
                            loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False,
-                           chunk_rows=None):
+                           chunk_rows=None, token_weights=None):
     packing.check_loss_type(loss_type)
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     loss, *vals = _FusedLinearGrpoLoss.apply(
         hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
         float(eps_low), float(eps_high), float(beta), float(temperature), loss_type, max_tokens,
-        bool(compute_entropy), need_grad, chunk_rows)
+        bool(compute_entropy), need_grad, chunk_rows, token_weights)
     keys = ["clip_frac"] + (["kl"] if ref_logp is not None else []) + (["entropy"] if compute_entropy else [])
     return loss, dict(zip(keys, vals))

@@ -21,8 +21,8 @@ Conventions shared by every function (the packed batch of DESIGN.md):
 - Inputs may be fp32, bf16 or fp16; arithmetic is fp32 (matmuls accumulate
   in fp32), outputs are fp32 and gradients come back in each input's dtype.
 - Gradients flow to ``logits`` / ``hidden`` / ``weight`` / ``bias`` /
-  ``logp`` / ``rewards``; ``old_logp``, ``ref_logp`` and ``advantages`` are
-  treated as constants.
+  ``logp`` / ``rewards``; ``old_logp``, ``ref_logp``, ``advantages`` and
+  ``token_weights`` are treated as constants.
 """
 
 from __future__ import annotations
@@ -69,6 +69,12 @@ def _check_grpo_args(beta, ref_logp, loss_type, eps_low, eps_high) -> None:
         raise ValueError("beta != 0 needs ref_logp")
     if eps_low < 0 or eps_high < 0:
         raise ValueError("eps_low and eps_high must be >= 0")
+
+
+def _check_token_weights(token_weights, sizes: tuple[int, ...]) -> None:
+    if token_weights is not None and token_weights.numel() not in sizes:
+        raise ValueError(f"token_weights has {token_weights.numel()} elements, expected one of {sizes} "
+                         "(packed positions, or the loss tokens in order)")
 
 
 def token_logprobs(
@@ -184,6 +190,7 @@ def grpo_loss(
     loss_type: str = "grpo",
     *,
     max_tokens: Optional[float] = None,
+    token_weights: Optional[torch.Tensor] = None,
     impl: Optional[str] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped GRPO objective from per-token log-probs.
@@ -191,7 +198,10 @@ def grpo_loss(
     Per loss token: ``r = exp(logp - old_logp)``,
     ``l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * k3``, with
     ``k3 = exp(ref - logp) - (ref - logp) - 1`` and A the advantage of the
-    token's sequence (found through ``cu_seqlens``).
+    token's sequence (found through ``cu_seqlens``). With ``token_weights``,
+    each token's ``l`` is multiplied by its weight ``c`` before the reduction
+    (``c * l``; the reduction's counts do not change): the hook for truncated
+    importance sampling, ``c = min(exp(old_logp - sampler_logp), cap)``.
 
     Reductions (``loss_type``):
         grpo: mean over the loss tokens of each sequence, then mean over the
@@ -216,6 +226,8 @@ def grpo_loss(
         beta: weight of the k3 KL penalty.
         loss_type: "grpo" | "bnpo" | "dapo" | "dr_grpo".
         max_tokens: dr_grpo's constant (see above).
+        token_weights: None or [N] fp32 per-token loss weights (a constant: no
+            gradient flows to it; values off the loss tokens are ignored).
         impl: None (auto), "reference", "chunked" or "triton".
 
     Returns:
@@ -226,15 +238,17 @@ def grpo_loss(
     """
     _check_packed(logp.numel(), loss_mask, cu_seqlens, advantages)
     _check_grpo_args(beta, ref_logp, loss_type, eps_low, eps_high)
+    _check_token_weights(token_weights, (logp.numel(),))
     which = _choose(impl, logp)
     args = (logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low, eps_high, beta, loss_type)
+    kw = dict(max_tokens=max_tokens, token_weights=token_weights)
     if which == "reference":
-        return reference.grpo_loss(*args, max_tokens=max_tokens)
+        return reference.grpo_loss(*args, **kw)
     if which == "chunked":
-        return chunked.grpo_loss(*args, max_tokens=max_tokens)
+        return chunked.grpo_loss(*args, **kw)
     from .triton import loss
 
-    return loss.grpo_loss(*args, max_tokens=max_tokens)
+    return loss.grpo_loss(*args, **kw)
 
 
 def fused_linear_grpo_loss(
@@ -255,6 +269,7 @@ def fused_linear_grpo_loss(
     *,
     max_tokens: Optional[float] = None,
     compute_entropy: bool = False,
+    token_weights: Optional[torch.Tensor] = None,
     impl: Optional[str] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """lm_head projection + token log-probs + ``grpo_loss`` in one pass.
@@ -277,6 +292,8 @@ def fused_linear_grpo_loss(
         bias: optional [V].
         compute_entropy: also return ``stats["entropy"]``, the mean entropy of
             softmax(logits / T) over loss tokens (not computed otherwise).
+        token_weights: None, [N] or [M] per-token loss weights, as in
+            ``grpo_loss`` (a constant).
         impl: None (auto), "reference", "chunked" or "triton".
 
     Returns:
@@ -287,10 +304,12 @@ def fused_linear_grpo_loss(
         raise ValueError("expected hidden [N, H] and weight [V, H]")
     _check_packed(hidden.shape[0], loss_mask, cu_seqlens, advantages)
     _check_grpo_args(beta, ref_logp, loss_type, eps_low, eps_high)
+    if token_weights is not None:
+        _check_token_weights(token_weights, (hidden.shape[0], int(loss_mask.sum())))
     which = _choose(impl, hidden, weight)
     args = (hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
             eps_low, eps_high, beta, temperature, loss_type, bias)
-    kw = dict(max_tokens=max_tokens, compute_entropy=compute_entropy)
+    kw = dict(max_tokens=max_tokens, compute_entropy=compute_entropy, token_weights=token_weights)
     if which == "reference":
         return reference.fused_linear_grpo_loss(*args, **kw)
     if which == "chunked":

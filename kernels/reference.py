@@ -98,9 +98,12 @@ def grpo_loss(
     loss_type: str = "grpo",
     max_tokens: Optional[float] = None,
     entropy: Optional[torch.Tensor] = None,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict]:
     """``entropy`` ([N] fp32 per-token entropies) only feeds the statistic;
-    the fused-linear reference passes it when asked."""
+    the fused-linear reference passes it when asked. ``token_weights`` [N]
+    multiplies each token's whole loss (clipped term and KL) before the
+    reduction; it is a constant (no gradient)."""
     if loss_type not in _LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {_LOSS_TYPES}, got {loss_type!r}")
     if beta != 0.0 and ref_logp is None:
@@ -120,6 +123,10 @@ def grpo_loss(
         ref_logp = torch.where(mask, ref_logp.float(), logp.detach())
 
     per_tok, kl, is_clipped = _per_token_terms(logp, old_logp, ref_logp, adv_tok, eps_low, eps_high, beta)
+    if token_weights is not None:
+        # Pinned to 1 off the loss tokens, so an arbitrary value there (inf)
+        # cannot turn the masked branch's gradient into NaN.
+        per_tok = per_tok * torch.where(mask, token_weights.detach().float(), torch.ones_like(per_tok))
     per_tok = torch.where(mask, per_tok, torch.zeros_like(per_tok))
     n_tok = mask.sum()
 
@@ -166,11 +173,13 @@ def fused_linear_grpo_loss(
     bias: Optional[torch.Tensor] = None,
     max_tokens: Optional[float] = None,
     compute_entropy: bool = False,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict]:
     n = hidden.shape[0]
     mask = loss_mask.bool()
     old_logp = _scatter_if_gathered(old_logp, mask, n)
     ref_logp = _scatter_if_gathered(ref_logp, mask, n)
+    token_weights = _scatter_if_gathered(token_weights, mask, n)
     # The naive path: every token of the packed batch is projected and scored.
     logp_all = torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
@@ -180,7 +189,7 @@ def fused_linear_grpo_loss(
             entropy = -(logp_all.exp() * logp_all).sum(-1)
     return grpo_loss(
         logp, old_logp, ref_logp, advantages, mask, cu_seqlens,
-        eps_low, eps_high, beta, loss_type, max_tokens, entropy,
+        eps_low, eps_high, beta, loss_type, max_tokens, entropy, token_weights,
     )
 
 

@@ -22,10 +22,11 @@ from .fused_linear_logprob import as_compute_pair, combine_partials, forward_par
 
 
 @triton.jit
-def _grpo_epilogue_kernel(PM, PS, PZT, PEZ, n_splits, POS, CU, ADV, WSEQ, OLD, REF,
+def _grpo_epilogue_kernel(PM, PS, PZT, PEZ, n_splits, POS, CU, ADV, WSEQ, OLD, REF, TOKW,
                           LSE, COEF, LOSS_TOK, CLIP_TOK, KL_TOK, ENT_TOK, M, S,
                           eps_low, eps_high, beta, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
-                          WANT_ENT: tl.constexpr, N_ITERS: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_TOKW: tl.constexpr, WANT_ENT: tl.constexpr, N_ITERS: tl.constexpr,
+                          BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # 1-D grid over loss tokens
     row_ok = rows < M
     lse, zt, ent = combine_partials(PM, PS, PZT, PEZ, rows, row_ok, M, n_splits, WANT_ENT)
@@ -34,6 +35,8 @@ def _grpo_epilogue_kernel(PM, PS, PZT, PEZ, n_splits, POS, CU, ADV, WSEQ, OLD, R
     seq = sequence_of(CU, pos, S, N_ITERS)
     adv = tl.load(ADV + seq, mask=row_ok, other=0.0)
     w = tl.load(WSEQ + seq, mask=row_ok, other=0.0)
+    if HAS_TOKW:  # the caller's per-token weight (e.g. truncated IS) scales the token's whole loss
+        w = w * tl.load(TOKW + rows, mask=row_ok, other=0.0)
     old = logp
     ref = logp
     if HAS_OLD:
@@ -54,7 +57,7 @@ def _grpo_epilogue_kernel(PM, PS, PZT, PEZ, n_splits, POS, CU, ADV, WSEQ, OLD, R
 class FusedLinearGrpoLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-                eps_low, eps_high, beta, temperature, loss_type, max_tokens, compute_entropy):
+                eps_low, eps_high, beta, temperature, loss_type, max_tokens, compute_entropy, token_weights):
         n = hidden.shape[0]
         dev = hidden.device
         mask = loss_mask.reshape(-1).bool()
@@ -66,6 +69,7 @@ class FusedLinearGrpoLoss(torch.autograd.Function):
         tgt = targets.reshape(-1).index_select(0, pos).contiguous()
         old = packing.gather_per_token(old_logp, pos, n)
         ref = packing.gather_per_token(ref_logp, pos, n)
+        tokw = packing.gather_per_token(None if token_weights is None else token_weights.detach(), pos, n)
         inv_t = 1.0 / temperature
 
         f32 = dict(dtype=torch.float32, device=dev)
@@ -79,8 +83,10 @@ class FusedLinearGrpoLoss(torch.autograd.Function):
                 pm, ps, pzt, pez, n_splits, pos, cu_seqlens.contiguous(),
                 advantages.detach().reshape(-1).float().contiguous(), w_seq,
                 old.contiguous() if old is not None else lse, ref.contiguous() if ref is not None else lse,
+                tokw.contiguous() if tokw is not None else lse,
                 lse, coef, loss_tok, clip_tok, kl_tok, ent_tok, m, counts.numel(), eps_low, eps_high, beta,
-                HAS_OLD=old is not None, HAS_REF=ref is not None, WANT_ENT=bool(compute_entropy),
+                HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_TOKW=tokw is not None,
+                WANT_ENT=bool(compute_entropy),
                 N_ITERS=search_iters(counts.numel()), BLOCK=blk)
         denom = float(max(m, 1))
         stats = [clip_tok.sum() / denom]
@@ -108,16 +114,17 @@ class FusedLinearGrpoLoss(torch.autograd.Function):
             dhidden,
             None if dw is None else dw.to(w_dtype),
             None if db is None else db.to(bias.dtype),
-        ) + (None,) * 13
+        ) + (None,) * 14
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp=None,
                            ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, temperature=1.0,
-                           loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False):
+                           loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False,
+                           token_weights=None):
     packing.check_loss_type(loss_type)
     loss, *vals = FusedLinearGrpoLoss.apply(
         hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
         float(eps_low), float(eps_high), float(beta), float(temperature), loss_type, max_tokens,
-        bool(compute_entropy))
+        bool(compute_entropy), token_weights)
     keys = ["clip_frac"] + (["kl"] if ref_logp is not None else []) + (["entropy"] if compute_entropy else [])
     return loss, dict(zip(keys, vals))

@@ -18,9 +18,9 @@ from .common import grpo_token, interpreting, search_iters, sequence_of
 
 
 @triton.jit
-def _grpo_loss_kernel(LOGP, OLD, REF, MASK, CU, ADV, WSEQ, LOSS_TOK, DLOGP, CLIP_TOK, KL_TOK,
+def _grpo_loss_kernel(LOGP, OLD, REF, MASK, CU, ADV, WSEQ, TOKW, LOSS_TOK, DLOGP, CLIP_TOK, KL_TOK,
                       N, S, eps_low, eps_high, beta, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
-                      N_ITERS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_TOKW: tl.constexpr, N_ITERS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     counted = ok & (tl.load(MASK + offs, mask=ok, other=0) != 0)
@@ -36,6 +36,8 @@ def _grpo_loss_kernel(LOGP, OLD, REF, MASK, CU, ADV, WSEQ, LOSS_TOK, DLOGP, CLIP
     seq = sequence_of(CU, offs, S, N_ITERS)
     adv = tl.load(ADV + seq, mask=counted, other=0.0).to(tl.float32)
     w = tl.load(WSEQ + seq, mask=counted, other=0.0)
+    if HAS_TOKW:  # the caller's per-token weight (e.g. truncated IS) scales the token's whole loss
+        w = w * tl.load(TOKW + offs, mask=counted, other=0.0).to(tl.float32)
     loss, dloss, clipped, kl = grpo_token(logp, old, ref, adv, eps_low, eps_high, beta, HAS_OLD, HAS_REF)
     tl.store(LOSS_TOK + offs, tl.where(counted, loss * w, 0.0), mask=ok)
     tl.store(DLOGP + offs, tl.where(counted, dloss * w, 0.0), mask=ok)
@@ -51,7 +53,7 @@ def _block(n: int) -> int:
 class GrpoLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low, eps_high, beta,
-                loss_type, max_tokens):
+                loss_type, max_tokens, token_weights):
         n = logp.numel()
         dev = logp.device
         mask = loss_mask.reshape(-1).contiguous()
@@ -60,6 +62,7 @@ class GrpoLoss(torch.autograd.Function):
         lp = logp.reshape(-1).contiguous()
         old = None if old_logp is None else old_logp.reshape(-1).contiguous()
         ref = None if ref_logp is None else ref_logp.reshape(-1).contiguous()
+        tokw = None if token_weights is None else token_weights.detach().reshape(-1).contiguous()
         loss_tok = torch.empty(n, dtype=torch.float32, device=dev)
         dlogp = torch.empty_like(loss_tok)
         clip_tok = torch.empty_like(loss_tok)
@@ -70,9 +73,10 @@ class GrpoLoss(torch.autograd.Function):
                 lp, old if old is not None else lp, ref if ref is not None else lp,
                 mask.view(torch.uint8) if mask.dtype == torch.bool else mask,
                 cu_seqlens.contiguous(), advantages.detach().reshape(-1).float().contiguous(), w_seq,
+                tokw if tokw is not None else lp,
                 loss_tok, dlogp, clip_tok, kl_tok, n, counts.numel(), eps_low, eps_high, beta,
-                HAS_OLD=old is not None, HAS_REF=ref is not None, N_ITERS=search_iters(counts.numel()),
-                BLOCK=blk)
+                HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_TOKW=tokw is not None,
+                N_ITERS=search_iters(counts.numel()), BLOCK=blk)
         denom = counts.sum().clamp(min=1).float()
         stats = [clip_tok.sum() / denom]
         if ref is not None:
@@ -85,13 +89,13 @@ class GrpoLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         (dlogp,) = ctx.saved_tensors
-        return ((dlogp * grad_loss.float()).reshape(ctx.shape).to(ctx.dtype),) + (None,) * 10
+        return ((dlogp * grad_loss.float()).reshape(ctx.shape).to(ctx.dtype),) + (None,) * 11
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low=0.2, eps_high=0.2, beta=0.0,
-              loss_type="grpo", *, max_tokens=None):
+              loss_type="grpo", *, max_tokens=None, token_weights=None):
     packing.check_loss_type(loss_type)
     loss, *vals = GrpoLoss.apply(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, float(eps_low),
-                                 float(eps_high), float(beta), loss_type, max_tokens)
+                                 float(eps_high), float(beta), loss_type, max_tokens, token_weights)
     keys = ["clip_frac"] + (["kl"] if ref_logp is not None else [])
     return loss, dict(zip(keys, vals))
