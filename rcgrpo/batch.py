@@ -17,8 +17,13 @@ training tensors are therefore aligned on the *predicting* position:
   sequence is always False. A sampled token at position 0 of a sequence has
   no predicting position and can never be trained on (it never happens with a
   real prompt).
-* ``old_logp[i]`` / ``ref_logp[i]`` = log-prob of ``input_ids[i + 1]`` under
-  the sampling / reference policy; 0 where ``loss_mask`` is False.
+* ``engine_logp[i]`` = log-prob of ``input_ids[i + 1]`` under the rollout
+  engine's sampler (what it reported while sampling); ``old_logp[i]`` /
+  ``ref_logp[i]`` the same under the trainer's pre-update policy / the frozen
+  reference (filled by the trainer); 0 where ``loss_mask`` is False.
+* ``policy_version[i]`` = the policy version (optimizer updates of the
+  stage) whose weights sampled ``input_ids[i + 1]``; -1 where ``loss_mask`` is
+  False.
 
 So ``logp = token_logprobs(logits[i], targets[i])`` lines up with
 ``loss_mask``, ``old_logp`` and ``ref_logp`` element by element, which is what
@@ -49,6 +54,7 @@ __all__ = [
     "balance_micro_batches",
     "pack_micro_batches",
     "accumulation_weight",
+    "informative_sequences",
     "loss_normaliser",
 ]
 
@@ -64,10 +70,13 @@ class Trajectory:
             assistant turns: the tokens trained on), 0 elsewhere.
         group: id of the prompt group (the G rollouts of one prompt share it).
         reward: scalar reward of the whole trajectory.
-        logprobs: optional sampling log-probs, either one per token (length of
-            ``token_ids``; values on non-sampled tokens ignored) or one per
-            sampled token (length ``sum(sample_mask)``), in order.
+        logprobs: optional log-probs the rollout engine reported for the
+            tokens it sampled, either one per token (length of ``token_ids``;
+            values on non-sampled tokens ignored) or one per sampled token
+            (length ``sum(sample_mask)``), in order.
         ref_logprobs: optional reference log-probs, same two accepted layouts.
+        versions: optional policy version that sampled each token, same two
+            layouts (values on non-sampled tokens ignored).
         meta: free-form data that travels with the trajectory (not packed).
     """
 
@@ -77,6 +86,7 @@ class Trajectory:
     reward: float = 0.0
     logprobs: Optional[list[float]] = None
     ref_logprobs: Optional[list[float]] = None
+    versions: Optional[list[int]] = None
     meta: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -101,8 +111,10 @@ class PackedBatch:
     sampled_mask: torch.Tensor  # [N] bool, unshifted: token i was generated
     seq_group: torch.Tensor  # [S] int64
     rewards: torch.Tensor  # [S] float32
-    old_logp: Optional[torch.Tensor] = None  # [N] float32, aligned with targets
+    engine_logp: Optional[torch.Tensor] = None  # [N] float32, aligned with targets: the sampler's
+    old_logp: Optional[torch.Tensor] = None  # [N] float32, aligned with targets: the trainer's, pre-update
     ref_logp: Optional[torch.Tensor] = None  # [N] float32, aligned with targets
+    policy_version: Optional[torch.Tensor] = None  # [N] int64, aligned with targets, -1 off loss tokens
     advantages: Optional[torch.Tensor] = None  # [S] float32
 
     @property
@@ -136,6 +148,14 @@ class PackedBatch:
             },
         )
 
+    def token_positions(self, seq_indices: Sequence[int]) -> torch.Tensor:
+        """[n] int64: the packed positions of these sequences' tokens, in order
+        (where ``select(seq_indices)``'s tokens come from)."""
+        cu = self.cu_seqlens.tolist()
+        spans = [torch.arange(cu[s], cu[s + 1]) for s in seq_indices]
+        tok = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+        return tok.to(self.input_ids.device)
+
     def select(self, seq_indices: Sequence[int]) -> "PackedBatch":
         """A packed batch of the given sequences (in that order), re-packed.
 
@@ -143,9 +163,7 @@ class PackedBatch:
         their sequences; ``cu_seqlens`` is rebuilt.
         """
         cu = self.cu_seqlens.tolist()
-        spans = [torch.arange(cu[s], cu[s + 1]) for s in seq_indices]
-        tok = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
-        tok = tok.to(self.input_ids.device)
+        tok = self.token_positions(seq_indices)
         seq = torch.as_tensor(list(seq_indices), dtype=torch.long, device=self.input_ids.device)
         lens = torch.tensor([cu[s + 1] - cu[s] for s in seq_indices], dtype=torch.int32)
         new_cu = torch.zeros(len(seq_indices) + 1, dtype=torch.int32)
@@ -166,8 +184,10 @@ class PackedBatch:
             sampled_mask=tok_field(self.sampled_mask),
             seq_group=seq_field(self.seq_group),
             rewards=seq_field(self.rewards),
+            engine_logp=tok_field(self.engine_logp),
             old_logp=tok_field(self.old_logp),
             ref_logp=tok_field(self.ref_logp),
+            policy_version=tok_field(self.policy_version),
             advantages=seq_field(self.advantages),
         )
 
@@ -191,9 +211,10 @@ def _per_token(values: Optional[Sequence[float]], mask: Sequence[int], n: int, w
 def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     """Concatenate trajectories into one packed batch (module docstring: alignment).
 
-    ``old_logp`` / ``ref_logp`` are filled only when *every* trajectory carries
-    ``logprobs`` / ``ref_logprobs``; a partial set is an error, since a silent
-    zero would be read as probability 1.
+    ``engine_logp`` / ``ref_logp`` / ``policy_version`` are filled only when
+    *every* trajectory carries ``logprobs`` / ``ref_logprobs`` / ``versions``;
+    a partial set is an error, since a silent zero would be read as
+    probability 1. ``old_logp`` is the trainer's to fill.
 
     Raises:
         ValueError: empty trajectory list or sequence, mask/logprob length
@@ -205,11 +226,13 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     pos: list[int] = []
     sampled: list[bool] = []
     lens: list[int] = []
-    old: list[float] = []
+    eng: list[float] = []
     ref: list[float] = []
-    has_old = [t.logprobs is not None for t in trajectories]
+    ver: list[float] = []
+    has_eng = [t.logprobs is not None for t in trajectories]
     has_ref = [t.ref_logprobs is not None for t in trajectories]
-    for name, flags in (("logprobs", has_old), ("ref_logprobs", has_ref)):
+    has_ver = [t.versions is not None for t in trajectories]
+    for name, flags in (("logprobs", has_eng), ("ref_logprobs", has_ref), ("versions", has_ver)):
         if any(flags) and not all(flags):
             raise ValueError(f"{name} given for some trajectories but not all ({sum(flags)}/{len(flags)})")
     for i, t in enumerate(trajectories):
@@ -222,10 +245,12 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
         pos.extend(range(n))
         sampled.extend(bool(m) for m in t.sample_mask)
         lens.append(n)
-        if all(has_old):
-            old.extend(_per_token(t.logprobs, t.sample_mask, n, "logprobs", i))
+        if all(has_eng):
+            eng.extend(_per_token(t.logprobs, t.sample_mask, n, "logprobs", i))
         if all(has_ref):
             ref.extend(_per_token(t.ref_logprobs, t.sample_mask, n, "ref_logprobs", i))
+        if all(has_ver):
+            ver.extend(_per_token(t.versions, t.sample_mask, n, "versions", i))
 
     input_ids = torch.tensor(ids, dtype=torch.long)
     if input_ids.numel() and int(input_ids.min()) < 0:
@@ -244,11 +269,11 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     loss_mask[:-1] = sampled_mask[1:]
     loss_mask[last] = False
 
-    def shifted_logp(values: list[float]) -> torch.Tensor:
-        v = torch.tensor(values, dtype=torch.float32)
+    def shifted(values: list[float], dtype=torch.float32, fill=0) -> torch.Tensor:
+        v = torch.tensor(values, dtype=dtype)
         out = torch.zeros_like(v)
         out[:-1] = v[1:]
-        return torch.where(loss_mask, out, torch.zeros_like(out))
+        return torch.where(loss_mask, out, torch.full_like(out, fill))
 
     return PackedBatch(
         input_ids=input_ids,
@@ -259,8 +284,9 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
         sampled_mask=sampled_mask,
         seq_group=torch.tensor([int(t.group) for t in trajectories], dtype=torch.long),
         rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
-        old_logp=shifted_logp(old) if all(has_old) else None,
-        ref_logp=shifted_logp(ref) if all(has_ref) else None,
+        engine_logp=shifted(eng) if all(has_eng) else None,
+        ref_logp=shifted(ref) if all(has_ref) else None,
+        policy_version=shifted(ver, torch.long, -1) if all(has_ver) else None,
     )
 
 
@@ -304,18 +330,36 @@ def pack_micro_batches(
     return [batch.select(ix) for ix in balance_micro_batches(batch.seq_lens, micro_batch_tokens, min_bins)]
 
 
-def loss_normaliser(batch: PackedBatch, loss_type: str) -> int:
+def informative_sequences(batch: PackedBatch) -> torch.Tensor:
+    """[S] bool: the sequence's group has rewards that are not all equal, so
+    its advantages are not all zero (a zero-variance group carries no policy
+    gradient)."""
+    groups, inverse = torch.unique(batch.seq_group.cpu(), return_inverse=True)
+    rewards = batch.rewards.cpu().float()
+    hi = torch.full((groups.numel(),), -float("inf")).scatter_reduce(0, inverse, rewards, "amax")
+    lo = torch.full((groups.numel(),), float("inf")).scatter_reduce(0, inverse, rewards, "amin")
+    return (hi > lo)[inverse]
+
+
+def loss_normaliser(batch: PackedBatch, loss_type: str, informative_only: bool = False) -> int:
     """The count a ``kernels`` loss_type divides by: sequences with loss tokens
-    (``grpo``), loss tokens (``bnpo`` / ``dapo``) or sequences (``dr_grpo``)."""
+    (``grpo``), loss tokens (``bnpo`` / ``dapo``) or sequences (``dr_grpo``).
+
+    ``informative_only`` counts only sequences of groups with non-zero
+    advantage (``informative_sequences``): the normaliser of a loss taken
+    over those groups alone (``grpo.loss_over_informative_groups``).
+    """
+    keep = informative_sequences(batch) if informative_only else torch.ones(batch.num_seqs, dtype=torch.bool)
+    cs = torch.zeros(batch.num_tokens + 1, dtype=torch.long)
+    torch.cumsum(batch.loss_mask.long().cpu(), 0, out=cs[1:])
+    cu = batch.cu_seqlens.long().cpu()
+    per_seq = cs[cu[1:]] - cs[cu[:-1]]
     if loss_type == "grpo":
-        cs = torch.zeros(batch.num_tokens + 1, dtype=torch.long)
-        torch.cumsum(batch.loss_mask.long().cpu(), 0, out=cs[1:])
-        cu = batch.cu_seqlens.long().cpu()
-        return int(((cs[cu[1:]] - cs[cu[:-1]]) > 0).sum())
+        return int(((per_seq > 0) & keep).sum())
     if loss_type in ("bnpo", "dapo"):
-        return batch.num_loss_tokens
+        return int(per_seq[keep].sum())
     if loss_type == "dr_grpo":
-        return batch.num_seqs
+        return int(keep.sum())
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 

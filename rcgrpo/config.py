@@ -69,7 +69,13 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     "rctp+grpo": ("rctp-data", "rctp", "grpo", "eval"),
     "sft+grpo": ("sft", "grpo", "eval"),
     "sft+rc-grpo": ("sft", "rc-grpo", "eval"),
+    # Not in the paper: DAPO's dynamic sampling (zero-variance groups dropped,
+    # more prompts drawn) as the competing remedy for vanishing advantages.
+    "sft+grpo-ds": ("sft", "grpo", "eval"),
 }
+# Pipelines whose GRPO stage runs with dynamic sampling (grpo.dynamic_sampling none = on).
+DYNAMIC_SAMPLING_PIPELINES = ("sft+grpo-ds",)
+RL_STAGES = ("grpo", "rc-grpo")
 # The paper's RL batch differs between the methods (PAPER.md table).
 PAPER_RL_BATCH = {"rc-grpo": 256, "grpo": 64}
 
@@ -191,7 +197,22 @@ class GrpoConfig:
     max_total_tokens: int = _f(8192, "max tokens of a whole trajectory (choice: the small model's context)")
     loss_type: str = _f("grpo", f"loss normalisation, one of {LOSS_TYPES}")
     advantage_scale: str = _f("group", f"one of {ADVANTAGE_SCALES}: divide by the group std or not")
-    updates_per_batch: int = _f(1, "optimizer passes over each rollout batch (choice: 1, on-policy)")
+    updates_per_batch: int = _f(
+        1, "PPO epochs (mu): passes over each rollout batch; > 1 computes the trainer's old log-probs once "
+        "before the first update, and the clip then acts (choice: 1, on-policy)")
+    mini_batches: int = _f(
+        1, "optimizer steps per pass: the batch's groups are split into this many mini-batches (choice: 1)")
+    tis_cap: Optional[float] = _f(
+        None, "truncated importance sampling (Yao et al. 2025): each token's loss weighted by "
+        "min(exp(logp_old_trainer - logp_engine), cap), no gradient through it; none = off")
+    loss_over_informative_groups: bool = _f(
+        False, "the loss (and its normaliser) covers only groups with non-zero advantage; zero-variance groups, "
+        "KL term included, are left out")
+    dynamic_sampling: Optional[bool] = _f(
+        None, "DAPO dynamic sampling: drop zero-variance groups and draw more prompts in the same step until "
+        "batch_size informative groups (or max_draws); none = on for the sft+grpo-ds pipeline only")
+    dynamic_sampling_max_draws: int = _f(
+        4, "dynamic sampling: rollout rounds per step at most, the scheduled prompts' round included")
     weight_decay: float = _f(0.0, "AdamW weight decay (choice)")
     max_grad_norm: float = _f(1.0, "gradient clipping norm; 0 = off (choice)")
 
@@ -274,7 +295,7 @@ class Config:
 
     @property
     def rl_stage(self) -> str:
-        return self.run.pipeline.split("+")[1]
+        return next(s for s in PIPELINES[self.run.pipeline] if s in RL_STAGES)
 
     @property
     def reward_conditioned(self) -> bool:
@@ -662,7 +683,9 @@ def finalize(cfg: Config, check_files: bool = True) -> Config:
             cfg.grpo.batch_size = PAPER_RL_BATCH[cfg.rl_stage]
         if cfg.eval.conditioning == "auto":
             # Only a pipeline that trained on reward tokens can use one.
-            cfg.eval.conditioning = "none" if cfg.run.pipeline == "sft+grpo" else "high"
+            cfg.eval.conditioning = "none" if (cfg.finetune_stage, cfg.rl_stage) == ("sft", "grpo") else "high"
+        if cfg.grpo.dynamic_sampling is None:
+            cfg.grpo.dynamic_sampling = cfg.run.pipeline in DYNAMIC_SAMPLING_PIPELINES
     validate(cfg, check_files=check_files)
     return cfg
 
@@ -737,6 +760,15 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     need(g.advantage_scale in ADVANTAGE_SCALES,
          f"grpo.advantage_scale must be one of {ADVANTAGE_SCALES}, got {g.advantage_scale!r}")
     need(g.updates_per_batch >= 1, f"grpo.updates_per_batch must be >= 1, got {g.updates_per_batch}")
+    need(g.mini_batches >= 1, f"grpo.mini_batches must be >= 1, got {g.mini_batches}")
+    need(g.batch_size is None or g.mini_batches <= g.batch_size,
+         f"grpo.mini_batches ({g.mini_batches}) must not exceed grpo.batch_size ({g.batch_size}): "
+         "a mini-batch holds whole groups")
+    need(g.tis_cap is None or g.tis_cap > 0, f"grpo.tis_cap must be > 0 (none = off), got {g.tis_cap}")
+    need(g.dynamic_sampling_max_draws >= 1,
+         f"grpo.dynamic_sampling_max_draws must be >= 1, got {g.dynamic_sampling_max_draws}")
+    need(not (run.pipeline in DYNAMIC_SAMPLING_PIPELINES and g.dynamic_sampling is False),
+         f"grpo.dynamic_sampling false contradicts the pipeline {run.pipeline} (GRPO with dynamic sampling)")
     need(g.weight_decay >= 0, f"grpo.weight_decay must be >= 0, got {g.weight_decay}")
     need(g.max_grad_norm >= 0, f"grpo.max_grad_norm must be >= 0 (0 = off), got {g.max_grad_norm}")
 
@@ -793,6 +825,8 @@ def _validate_world(cfg: Config, need) -> None:
     if world > 1:
         need(not cfg.model.lora.enabled,
              f"model.lora.enabled is single-process only; this torchrun job has {world} ranks")
+        need(not cfg.grpo.dynamic_sampling,
+             f"grpo.dynamic_sampling is single-process only; this torchrun job has {world} ranks")
 
 
 def _missing_files(cfg: Config) -> list[str]:

@@ -14,6 +14,8 @@ from rcgrpo.batch import (
     Trajectory,
     accumulation_weight,
     balance_micro_batches,
+    informative_sequences,
+    loss_normaliser,
     pack,
     pack_micro_batches,
 )
@@ -28,7 +30,8 @@ def trajectories(draw, max_seqs=6, max_len=12):
         ids = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
         mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
         lp = draw(st.lists(st.floats(-20, 0, allow_nan=False), min_size=n, max_size=n))
-        out.append(Trajectory(ids, mask, group=s // 2, reward=float(s % 2), logprobs=lp))
+        out.append(Trajectory(ids, mask, group=s // 2, reward=float(s % 2), logprobs=lp,
+                              versions=[s + 3] * n))
     return out
 
 
@@ -51,12 +54,15 @@ def test_pack_invariants(trajs):
                 assert b.targets[i] == t.token_ids[j + 1]
                 assert bool(b.loss_mask[i]) == bool(t.sample_mask[j + 1])
                 if t.sample_mask[j + 1]:
-                    assert b.old_logp[i].item() == pytest.approx(t.logprobs[j + 1])
+                    assert b.engine_logp[i].item() == pytest.approx(t.logprobs[j + 1])
+                    assert b.policy_version[i] == t.versions[j + 1]
                 else:
-                    assert b.old_logp[i] == 0
+                    assert b.engine_logp[i] == 0 and b.policy_version[i] == -1
             else:  # last token of a sequence: no target
-                assert not b.loss_mask[i] and b.targets[i] == 0 and b.old_logp[i] == 0
+                assert not b.loss_mask[i] and b.targets[i] == 0 and b.engine_logp[i] == 0
+                assert b.policy_version[i] == -1
             i += 1
+    assert b.old_logp is None  # the trainer's to fill
     assert b.seq_group.tolist() == [t.group for t in trajs]
     assert b.rewards.tolist() == [t.reward for t in trajs]
     assert b.ref_logp is None
@@ -78,8 +84,8 @@ def test_logprobs_given_per_sampled_token():
     full = Trajectory([1, 2, 3, 4], [0, 1, 0, 1], logprobs=[9.0, -1.0, 9.0, -2.0])
     gathered = dataclasses.replace(full, logprobs=[-1.0, -2.0], ref_logprobs=[-1.5, -2.5])
     a, b = pack([full]), pack([gathered])
-    assert torch.equal(a.old_logp, b.old_logp)
-    assert a.old_logp.tolist() == [-1.0, 0.0, -2.0, 0.0]
+    assert torch.equal(a.engine_logp, b.engine_logp)
+    assert a.engine_logp.tolist() == [-1.0, 0.0, -2.0, 0.0]
     assert b.ref_logp.tolist() == [-1.5, 0.0, -2.5, 0.0]
 
 
@@ -92,6 +98,7 @@ def test_logprobs_given_per_sampled_token():
         ([Trajectory([1, 2], [0, 1], logprobs=[1.0, 2.0, 3.0])], "logprobs"),
         ([Trajectory([1, 2], [0, 1], logprobs=[-1.0]), Trajectory([3], [0])], "some trajectories"),
         ([Trajectory([1, -2], [0, 1])], "negative"),
+        ([Trajectory([1, 2], [0, 1], versions=[0, 1]), Trajectory([3], [0])], "versions given for some"),
     ],
 )
 def test_pack_rejects_bad_input(trajs, msg):
@@ -130,7 +137,8 @@ def test_select_keeps_each_sequence_intact(trajs, budget):
         for k, s in enumerate(mb.advantages.long().tolist()):
             single = pack([trajs[s]])
             a, b = int(mb.cu_seqlens[k]), int(mb.cu_seqlens[k + 1])
-            for name in ("input_ids", "position_ids", "loss_mask", "targets", "old_logp", "sampled_mask"):
+            for name in ("input_ids", "position_ids", "loss_mask", "targets", "engine_logp", "policy_version",
+                         "sampled_mask"):
                 assert torch.equal(getattr(mb, name)[a:b], getattr(single, name)), name
             assert mb.seq_group[k] == trajs[s].group and mb.rewards[k] == trajs[s].reward
             seen.append(s)
@@ -166,3 +174,37 @@ def test_accumulation_weights_reproduce_full_batch_loss(loss_type):
         lp = torch.stack([full_logp[int(i)] for i in mb.old_logp])
         total += accumulation_weight(mb, full, loss_type) * loss_of(mb, lp)
     assert float(total) == pytest.approx(float(expected), abs=1e-6)
+
+
+def _mixed_groups() -> PackedBatch:
+    """Three groups: 0 informative (rewards 1, 0), 1 zero-variance (0, 0),
+    2 informative (0, 1, 1); one sequence of group 2 has no loss token."""
+    T = Trajectory
+    return pack([
+        T([5, 6, 7, 8], [0, 1, 1, 0], group=0, reward=1.0),        # 2 loss tokens (targets 6, 7)
+        T([5, 6, 7], [0, 1, 1], group=0, reward=0.0),              # 2
+        T([5, 6, 7, 8, 9], [0, 1, 1, 1, 1], group=1, reward=0.0),  # 4
+        T([5, 6], [0, 1], group=1, reward=0.0),                    # 1
+        T([5, 6, 7], [0, 0, 1], group=2, reward=0.0),              # 1
+        T([5, 6, 7], [0, 0, 0], group=2, reward=1.0),              # 0
+        T([5, 6, 7, 8], [0, 1, 0, 1], group=2, reward=1.0),        # 2
+    ])
+
+
+def test_informative_sequences():
+    assert informative_sequences(_mixed_groups()).tolist() == [True, True, False, False, True, True, True]
+
+
+@pytest.mark.parametrize("loss_type, everyone, informative", [
+    ("grpo", 6, 4),      # sequences with loss tokens: all but #5 / of those, groups 0 and 2
+    ("bnpo", 12, 7),     # loss tokens: 2+2+4+1+1+0+2 / 2+2+1+0+2
+    ("dapo", 12, 7),
+    ("dr_grpo", 7, 5),   # sequences / sequences of groups 0 and 2
+])
+def test_loss_normaliser_with_and_without_informative_counting(loss_type, everyone, informative):
+    b = _mixed_groups()
+    assert loss_normaliser(b, loss_type) == everyone
+    assert loss_normaliser(b, loss_type, informative_only=True) == informative
+    # The normaliser of the informative groups alone is the informative-only count.
+    keep = torch.nonzero(informative_sequences(b)).reshape(-1).tolist()
+    assert loss_normaliser(b.select(keep), loss_type) == informative

@@ -32,6 +32,7 @@ class RolloutConfig:
     doc_style: str = "compact"
     p_high: float = 0.5  # P(<|high_reward|>) when tokens are drawn
     progress: bool = True
+    policy_version: int = 0  # the version of the weights the engine holds (recorded per sampled token)
 
 
 @dataclass
@@ -41,7 +42,9 @@ class Rollout:
     reward_token: str | None
     token_ids: list[int]
     loss_mask: list[int]  # 1 exactly on sampled tokens
-    logprobs: list[float]  # sampling log-prob on sampled tokens, 0.0 elsewhere
+    # The engine's log-prob of each sampled token (0.0 elsewhere); None when
+    # the engine did not report them for every reply.
+    logprobs: list[float] | None
     prompt_len: int
     reward: float = 0.0
     r_state: float = 0.0
@@ -51,6 +54,7 @@ class Rollout:
     steps: int = 0
     end_reason: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)  # readable log
+    versions: list[int] = field(default_factory=list)  # policy version per sampled token, -1 elsewhere
 
 
 def draw_reward_tokens(n: int, p_high: float, rng: random.Random) -> list[str]:
@@ -63,6 +67,8 @@ class _Conversation:
 
     def __init__(self, index: int, rollout: Rollout, episode, chat: ChatTokens, cfg: RolloutConfig):
         self.index, self.r, self.ep, self.chat, self.cfg = index, rollout, episode, chat, cfg
+        self.r.versions = [-1] * len(self.r.token_ids)
+        self.logprobs_missing = False
 
     @property
     def done(self) -> bool:
@@ -75,10 +81,15 @@ class _Conversation:
         self.r.token_ids.extend(ids)
         self.r.loss_mask.extend([int(sampled)] * len(ids))
         self.r.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.r.versions.extend([self.cfg.policy_version if sampled else -1] * len(ids))
 
     def consume(self, ids: list[int], logprobs: list[float] | None, finish_reason: str) -> None:
         """Append a model reply, let the environment act on it, append what follows."""
-        self.append(ids, logprobs if logprobs is not None else [0.0] * len(ids), sampled=True)
+        if logprobs is None or len(logprobs) != len(ids):
+            # A zero would read as probability 1: the rollout reports none instead.
+            self.logprobs_missing = True
+            logprobs = None
+        self.append(ids, logprobs, sampled=True)
         closed = bool(ids) and ids[-1] == self.chat.eot_id
         text = self.chat.decode_reply(ids)
         self.r.messages.append({"role": "assistant", "content": text})
@@ -102,6 +113,8 @@ class _Conversation:
         res = self.ep.result()
         self.r.reward, self.r.r_state, self.r.r_action = res.reward, res.r_state, res.r_action
         self.r.valid, self.r.turns, self.r.steps, self.r.end_reason = res.valid, res.turns, res.steps, res.end_reason
+        if self.logprobs_missing:
+            self.r.logprobs = None
         return self.r
 
 

@@ -10,6 +10,7 @@ asked for at evaluation); GRPO after SFT uses no token.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from collections import defaultdict
@@ -19,7 +20,8 @@ import torch
 
 import kernels
 from rcgrpo import distributed
-from rcgrpo.batch import Trajectory, accumulation_weight, loss_normaliser, pack, pack_micro_batches
+from rcgrpo.batch import (PackedBatch, Trajectory, accumulation_weight, balance_micro_batches,
+                          informative_sequences, loss_normaliser, pack, pack_micro_batches)
 from rcgrpo.metrics import progress
 from rcgrpo.models import HIGH_REWARD
 from rcgrpo.policy import TrainablePolicy
@@ -27,7 +29,7 @@ from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import awake
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
-from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss
+from rcgrpo.training.losses import RLLossSettings, current_logprobs, reference_logprobs, rl_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 
 
@@ -95,42 +97,175 @@ def gather_summaries(rollouts, group_offset: int) -> list[RolloutSummary]:
 def to_trajectories(rollouts) -> list[Trajectory]:
     return [
         Trajectory(r.token_ids, r.loss_mask, group=r.group, reward=r.reward, logprobs=r.logprobs,
-                   meta={"entry_id": r.entry_id, "reward_token": r.reward_token})
+                   versions=r.versions or None, meta={"entry_id": r.entry_id, "reward_token": r.reward_token})
         for r in rollouts
     ]
 
 
-def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[Trajectory],
-              settings: RLLossSettings, advantage_scale: str) -> dict[str, float]:
-    """Loss + backward over token-balanced micro-batches of one rollout batch.
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """How one step's rollout batch becomes optimizer steps (GrpoConfig's
+    update settings, without the rest of the config)."""
+    advantage_scale: str = "group"
+    updates_per_batch: int = 1  # PPO epochs, mu
+    mini_batches: int = 1  # optimizer steps per pass
+    tis_cap: float | None = None  # truncated importance sampling; None = off
+    informative_only: bool = False  # grpo.loss_over_informative_groups
+    max_grad_norm: float = 1.0
+    seed: int = 0  # mini-batch shuffles
 
-    Under torchrun, `trajectories` are this rank's whole groups (advantages
-    never need another rank's rewards). Each micro-batch is weighted by the
-    count over every rank's batch and FSDP sums the ranks' gradients, so the
-    update is the one a single process would make on the whole batch. The
-    returned statistics are already reduced over ranks.
+    @classmethod
+    def from_config(cls, g, seed: int) -> "UpdateSettings":
+        return cls(g.advantage_scale, g.updates_per_batch, g.mini_batches, g.tis_cap,
+                   bool(g.loss_over_informative_groups or g.dynamic_sampling), g.max_grad_norm, seed)
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per rollout batch: the pre-update policy is the
+        current one, so its log-probs come from the loss pass itself."""
+        return self.updates_per_batch == 1 and self.mini_batches == 1
+
+
+class Agreement:
+    """Engine vs trainer log-probs over loss tokens: sums per micro-batch,
+    reduced over micro-batches and ranks at the end (`summary`)."""
+
+    THRESHOLD = 0.1  # nats: the share of tokens further apart than this is logged
+
+    def __init__(self):
+        self.sums = defaultdict(float)
+        self.seq_log_ratios: list[float] = []
+
+    def add(self, batch: PackedBatch, trainer_logp: torch.Tensor, tis_cap: float | None = None) -> None:
+        if batch.engine_logp is None or not batch.num_loss_tokens:
+            return
+        mask = batch.loss_mask
+        diff = (trainer_logp - batch.engine_logp)[mask].double()
+        self.sums["tokens"] += diff.numel()
+        self.sums["abs"] += float(diff.abs().sum())
+        self.sums["over"] += float((diff.abs() > self.THRESHOLD).sum())
+        # log pi_trainer(seq) / pi_engine(seq) = the sum of its tokens' differences
+        seq = kernels.packing.sequence_ids(torch.nonzero(mask).reshape(-1), batch.cu_seqlens)
+        per_seq = torch.zeros(batch.num_seqs, dtype=torch.float64, device=diff.device).index_add_(0, seq, diff)
+        has = kernels.packing.loss_token_counts(mask, batch.cu_seqlens) > 0
+        self.seq_log_ratios.extend(per_seq[has].tolist())
+        if tis_cap is not None:
+            self.sums["tis_weight"] += float(torch.exp(diff).clamp(max=tis_cap).sum())
+            self.sums["tis_capped"] += float((diff > math.log(tis_cap)).sum())
+
+    def summary(self, tis: bool) -> dict[str, float]:
+        sums = distributed.all_reduce_sum(dict(self.sums))
+        ratios = [x for part in distributed.all_gather_objects(self.seq_log_ratios) for x in part]
+        tokens = sums.get("tokens", 0.0)
+        if not tokens:
+            return {}
+        out = {
+            "logp_diff_abs_mean": sums["abs"] / tokens,
+            "logp_diff_over_0.1_frac": sums["over"] / tokens,
+            "seq_log_ratio_mean": sum(ratios) / len(ratios),
+            "seq_log_ratio_abs_max": max(abs(x) for x in ratios),
+        }
+        if tis:
+            out["tis_weight_mean"] = sums["tis_weight"] / tokens
+            out["tis_capped_frac"] = sums["tis_capped"] / tokens
+        return out
+
+
+def tis_weights(trainer_old: torch.Tensor, engine_logp: torch.Tensor, cap: float, mask: torch.Tensor) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025): min(pi_old / pi_engine,
+    cap) per loss token, 1 elsewhere; a constant of the loss."""
+    w = torch.exp(trainer_old - engine_logp).clamp(max=cap)
+    return torch.where(mask, w, torch.ones_like(w)).detach()
+
+
+def prepare_batch(trajectories: Sequence[Trajectory], device: torch.device, advantage_scale: str,
+                  informative_only: bool) -> tuple[PackedBatch | None, torch.Tensor]:
+    """This rank's packed batch with group advantages attached (None when it
+    is left empty), and every advantage (for the step's statistics).
+    `informative_only` keeps only groups with non-zero advantage."""
+    if not trajectories:
+        return None, torch.zeros(0)
+    full = pack(trajectories).to(device)
+    advantages = kernels.group_advantages(full.rewards, full.seq_group, scale=advantage_scale)
+    full = dataclasses.replace(full, advantages=advantages, old_logp=None)
+    if informative_only:
+        keep = torch.nonzero(informative_sequences(full)).reshape(-1).tolist()
+        full = full.select(keep) if keep else None
+    return full, advantages
+
+
+def _micro_batches(ctx: RunContext, batch: PackedBatch | None) -> list[PackedBatch]:
+    # Micro-batches without a generated token (e.g. every rollout's prompt was
+    # too long) carry no loss: their forward passes are skipped.
+    if batch is None:
+        return []
+    return [m for m in pack_micro_batches(batch, ctx.cfg.run.micro_batch_tokens) if m.num_loss_tokens]
+
+
+@torch.no_grad()
+def trainer_logprobs(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None,
+                     temperature: float) -> torch.Tensor | None:
+    """[N] the current policy's log-probs at the batch's loss positions (0
+    elsewhere): the old log-probs of PPO epochs, taken once before the first
+    update, micro-batch by micro-batch, in lockstep with the other ranks."""
+    fused = ctx.cfg.run.fused
+    out = None if batch is None else torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
+    bins = [] if batch is None else balance_micro_batches(batch.seq_lens, ctx.cfg.run.micro_batch_tokens)
+    micros = [(batch.select(ix), batch.token_positions(ix)) for ix in bins]
+    for item, padding in lockstep(micros, ctx.device):
+        micro, positions = (item, None) if padding else item
+        hidden = policy.lm.hidden_states(micro)
+        if padding or not micro.num_loss_tokens:
+            continue
+        out[positions] = current_logprobs(policy.lm, micro, fused, temperature, hidden)
+    return out
+
+
+def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None,
+                         settings: RLLossSettings, tis_cap: float | None = None,
+                         agreement: Agreement | None = None) -> dict[str, float]:
+    """Loss + backward over the token-balanced micro-batches of one (mini-)batch:
+    the gradient of one optimizer step.
+
+    Under torchrun, `batch` holds this rank's whole groups (advantages never
+    need another rank's rewards). Each micro-batch is weighted by the count
+    over every rank's batch and FSDP sums the ranks' gradients, so the update
+    is the one a single process would make on the whole batch. The returned
+    statistics are already reduced over ranks.
+
+    The trainer's pre-update log-probs are `batch.old_logp` when given (PPO
+    epochs), else those of this very pass (on-policy), taken from its hidden
+    states by one LM-head pass over the loss rows: they feed the truncated
+    importance weights and the engine/trainer agreement.
     """
     fused = ctx.cfg.run.fused
-    micros, advantages = [], torch.zeros(0)
+    micros = _micro_batches(ctx, batch)
     local = {"loss_tokens": 0, "batch_tokens": 0, "normaliser": 0}
-    if trajectories:
-        full = pack(trajectories).to(ctx.device)
-        advantages = kernels.group_advantages(full.rewards, full.seq_group, scale=advantage_scale)
-        full = dataclasses.replace(full, advantages=advantages, old_logp=None)
-        # Micro-batches without a generated token (e.g. every rollout's prompt
-        # was too long) carry no loss: skip their forward passes.
-        micros = [m for m in pack_micro_batches(full, ctx.cfg.run.micro_batch_tokens) if m.num_loss_tokens]
-        local = {"loss_tokens": full.num_loss_tokens, "batch_tokens": full.num_tokens,
-                 "normaliser": loss_normaliser(full, settings.loss_type)}
+    if batch is not None:
+        local = {"loss_tokens": batch.num_loss_tokens, "batch_tokens": batch.num_tokens,
+                 "normaliser": loss_normaliser(batch, settings.loss_type)}
     counts = distributed.all_reduce_sum(local)
+    if tis_cap is not None and any(m.engine_logp is None for m in micros):
+        raise ValueError("grpo.tis_cap needs the engine's log-probs of every sampled token; "
+                         "this batch's rollouts came without them")
     sums: dict[str, float] = defaultdict(float)
     for micro, padding in lockstep(micros, ctx.device):
         if settings.beta > 0:
             micro = dataclasses.replace(
                 micro, ref_logp=reference_logprobs(policy, micro, fused, settings.temperature))
+        hidden = policy.lm.hidden_states(micro)
+        weights = None
+        if not padding and micro.engine_logp is not None and (tis_cap is not None or agreement is not None):
+            old = micro.old_logp
+            if old is None:
+                old = current_logprobs(policy.lm, micro, fused, settings.temperature, hidden)
+            if tis_cap is not None:
+                weights = tis_weights(old, micro.engine_logp, tis_cap, micro.loss_mask)
+            if agreement is not None:
+                agreement.add(micro, old, tis_cap)
         weight = 0.0 if padding else accumulation_weight(micro, None, settings.loss_type,
                                                          total=round(counts["normaliser"]))
-        loss, stats = rl_loss(policy.lm, micro, settings, fused)
+        loss, stats = rl_loss(policy.lm, micro, settings, fused, hidden=hidden, token_weights=weights)
         (loss * weight).backward()
         if padding:
             continue
@@ -139,10 +274,84 @@ def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[T
             sums[key] += float(value) * weight
     out = distributed.all_reduce_sum(dict(sums))
     out["loss_tokens"], out["batch_tokens"] = round(counts["loss_tokens"]), round(counts["batch_tokens"])
+    return out
+
+
+def _advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
     # Every rank's advantages, in rank order (as one process would hold them).
     adv = torch.tensor(sum(distributed.all_gather_objects(advantages.tolist()), []), dtype=torch.float32)
-    out["adv_std"] = float(adv.std(unbiased=False)) if adv.numel() > 1 else 0.0
-    out["adv_abs_mean"] = float(adv.abs().mean())
+    return {"adv_std": float(adv.std(unbiased=False)) if adv.numel() > 1 else 0.0,
+            "adv_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0}
+
+
+def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[Trajectory],
+              settings: RLLossSettings, advantage_scale: str, *, tis_cap: float | None = None,
+              informative_only: bool = False) -> dict[str, float]:
+    """The on-policy update's gradient (one pass, no optimizer step) with the
+    engine/trainer agreement of its tokens."""
+    batch, advantages = prepare_batch(trajectories, ctx.device, advantage_scale, informative_only)
+    agreement = Agreement()
+    out = accumulate_gradients(ctx, policy, batch, settings, tis_cap, agreement)
+    return {**out, **agreement.summary(tis_cap is not None), **_advantage_stats(advantages)}
+
+
+def mini_batch_split(batch: PackedBatch | None, parts: int, seed: int) -> list[PackedBatch | None]:
+    """`parts` mini-batches of whole groups, in a seeded random order (None for
+    a part left without a group)."""
+    if batch is None:
+        return [None] * parts
+    groups = sorted(set(batch.seq_group.tolist()))
+    random.Random(seed).shuffle(groups)
+    seq_group = batch.seq_group.tolist()
+    out = []
+    for k in range(parts):
+        mine = set(groups[k::parts])
+        idx = [i for i, g in enumerate(seq_group) if g in mine]
+        out.append(batch.select(idx) if idx else None)
+    return out
+
+
+def rl_step(ctx: RunContext, policy: TrainablePolicy, optimizer, scheduler, trajectories: Sequence[Trajectory],
+            settings: RLLossSettings, update: UpdateSettings, step: int = 0) -> dict[str, float]:
+    """All optimizer steps of one rollout batch: `updates_per_batch` passes,
+    each of `mini_batches` steps. Off-policy (more than one step) the old
+    log-probs are the trainer's, computed once before the first update, so
+    the ratio and its clip act from the second step on. A batch with no loss
+    token on any rank (e.g. every group uninformative under
+    `informative_only`) makes no forward or backward pass and no step."""
+    batch, advantages = prepare_batch(trajectories, ctx.device, update.advantage_scale, update.informative_only)
+    out: dict[str, float] = {**_advantage_stats(advantages), "updates": 0}
+    local_tokens = 0 if batch is None else batch.num_loss_tokens
+    if distributed.all_reduce_max(local_tokens) == 0:
+        return out
+    agreement = Agreement()
+    tis = update.tis_cap is not None
+    if not update.on_policy:
+        old = trainer_logprobs(ctx, policy, batch, settings.temperature)
+        if batch is not None:
+            batch = dataclasses.replace(batch, old_logp=old)
+            agreement.add(batch, old, update.tis_cap)
+    totals: dict[str, float] = defaultdict(float)
+    norms = []
+    for epoch in range(update.updates_per_batch):
+        parts = mini_batch_split(batch, update.mini_batches, update.seed * 1_000_003 + step * 101 + epoch)
+        for part in parts:
+            stats = accumulate_gradients(ctx, policy, part, settings, update.tis_cap,
+                                         agreement if update.on_policy else None)
+            norms.append(clip_and_step(policy, optimizer, scheduler, update.max_grad_norm))
+            for key in ("loss", "clip_frac", "kl", "entropy"):
+                if key in stats:
+                    totals[key] += stats[key]
+            if update.updates_per_batch > 1:
+                totals[f"clip_frac_pass{epoch + 1}"] += stats.get("clip_frac", 0.0) / update.mini_batches
+            if epoch == 0:
+                totals["loss_tokens"] += stats["loss_tokens"]
+                totals["batch_tokens"] += stats["batch_tokens"]
+    n = len(norms)
+    out.update({k: (v if k.startswith("clip_frac_pass") or k.endswith("_tokens") else v / n)
+                for k, v in totals.items()})
+    out["loss_tokens"], out["batch_tokens"] = round(out["loss_tokens"]), round(out["batch_tokens"])
+    out.update(agreement.summary(tis), updates=n, grad_norm=sum(norms) / n)
     return out
 
 
@@ -162,6 +371,53 @@ def step_share(schedule_row: Sequence[int], tp_size: int) -> tuple[list[int], in
     return played, start, mine
 
 
+def informative_groups(rollouts) -> list[list]:
+    """The groups (rollouts of one prompt, in order) whose rewards are not all
+    equal: the only ones with a non-zero advantage."""
+    by_group: dict[int, list] = defaultdict(list)
+    for r in rollouts:
+        by_group[r.group].append(r)
+    return [rs for _, rs in sorted(by_group.items()) if len({r.reward for r in rs}) > 1]
+
+
+def extra_prompts(num_entries: int, used: set[int], count: int, rng: random.Random) -> list[int]:
+    """`count` entry indices for a dynamic-sampling draw: entries not yet
+    played in this step first, in a seeded order; repeats only once every
+    entry has been played."""
+    fresh = [i for i in range(num_entries) if i not in used]
+    rng.shuffle(fresh)
+    picked = fresh[:count]
+    while len(picked) < count:
+        picked.append(rng.randrange(num_entries))
+    return picked
+
+
+def dynamic_sampling(play, first_prompts: Sequence[int], first_rollouts, num_entries: int, batch_size: int,
+                     max_draws: int, seed: int) -> tuple[list, dict[str, int]]:
+    """DAPO's dynamic sampling: keep the informative groups of the step's
+    scheduled prompts, and while fewer than `batch_size` are kept and fewer
+    than `max_draws` rounds were played, draw as many new prompts as are
+    missing and play them (`play(entry_indices, draw) -> rollouts`).
+
+    Returns the kept rollouts (at most `batch_size` groups, renumbered 0..K-1
+    in the order they were kept) and the step's counts."""
+    rng = random.Random(seed)
+    kept = informative_groups(first_rollouts)
+    drawn, draws = len(first_prompts), 1
+    used = set(first_prompts)
+    while len(kept) < batch_size and draws < max_draws:
+        prompts = extra_prompts(num_entries, used, batch_size - len(kept), rng)
+        used.update(prompts)
+        kept.extend(informative_groups(play(prompts, draws)))
+        drawn += len(prompts)
+        draws += 1
+    kept = kept[:batch_size]
+    rollouts = [dataclasses.replace(r, group=g) for g, group in enumerate(kept) for r in group]
+    counts = {"ds_draws": draws, "ds_prompts_drawn": drawn, "ds_groups_kept": len(kept),
+              "ds_groups_dropped": drawn - len(kept)}
+    return rollouts, counts
+
+
 def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
              reward_conditioned: bool) -> dict:
     """Run the GRPO / RC-GRPO stage in place on `policy`; resumable.
@@ -169,11 +425,20 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
     Per step: the engine wakes, takes the policy's current weights (on the
     first step too: it may hold another stage's weights, or a resumed run's
     older ones), plays the step's rollouts and goes back to sleep; then the
-    update runs with the accelerator's memory to itself."""
+    update runs with the accelerator's memory to itself. With dynamic
+    sampling, zero-variance groups are dropped and more prompts played
+    before the update (`dynamic_sampling`).
+
+    The policy version is the number of optimizer steps the stage has taken
+    (the scheduler's count, so a resumed run continues it); the engine's
+    weights carry the version they were pushed at, and every sampled token
+    records it."""
     g = ctx.cfg.grpo
     batch_size = g.batch_size
     schedule = prompt_schedule(len(entries), batch_size, g.steps, ctx.cfg.data.seed)
-    optimizer, scheduler = make_optimizer(policy, g.lr, g.weight_decay, g.steps, 0.0)
+    update = UpdateSettings.from_config(g, ctx.cfg.data.seed)
+    optimizer, scheduler = make_optimizer(policy, g.lr, g.weight_decay,
+                                          g.steps * g.updates_per_batch * g.mini_batches, 0.0)
     start = ctx.resume(stage, policy, optimizer, scheduler)
     settings = RLLossSettings(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type,
                               max_tokens=float(g.max_total_tokens) if g.loss_type == "dr_grpo" else None)
@@ -181,34 +446,52 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         for step in progress(range(start, g.steps), total=g.steps, initial=start, desc=stage):
             played, offset, (lo, hi) = step_share(schedule[step], ctx.cfg.run.engine_tp_size)
-            step_entries = [entries[i] for i in played]
+            version = scheduler.last_epoch
             rollout_cfg = RolloutConfig(
                 max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
                 temperature=g.temperature, top_p=g.top_p,
                 # Each engine group's share of the step gets its own seeds.
                 seed=ctx.cfg.data.seed * 100_003 + step + 1_000_003 * offset,
-                p_high=g.p_high, doc_style=ctx.cfg.data.doc_style, progress=False,
+                p_high=g.p_high, doc_style=ctx.cfg.data.doc_style, progress=False, policy_version=version,
             )
+
+            extra_generated = []  # tokens sampled by dynamic sampling's extra draws
+
+            def play(indices, draw, live):
+                step_entries = [entries[i] for i in indices]
+                cfg = dataclasses.replace(rollout_cfg, seed=rollout_cfg.seed + 7_777_777 * draw)
+                out = run_episodes(live, ctx.tokenizer, step_entries, g.group_size, cfg,
+                                   reward_tokens=conditioning(stage, reward_conditioned,
+                                                              len(step_entries) * g.group_size))
+                if draw:
+                    extra_generated.extend(sum(r.loss_mask) for r in out)
+                return out
+
             t0 = time.perf_counter()
             policy.eval_mode()
-            with awake(engine, policy.rollout_weights()):
-                rollouts = run_episodes(engine, ctx.tokenizer, step_entries, g.group_size, rollout_cfg,
-                                        reward_tokens=conditioning(stage, reward_conditioned,
-                                                                   len(step_entries) * g.group_size))
-            rollouts = [r for r in rollouts if lo <= r.group < hi]
+            ds_counts = {}
+            with awake(engine, policy.rollout_weights()) as live:
+                rollouts = play(played, 0, live)
+                scheduled = rollouts
+                if g.dynamic_sampling:
+                    rollouts, ds_counts = dynamic_sampling(
+                        lambda idx, draw: play(idx, draw, live), played, rollouts, len(entries), batch_size,
+                        g.dynamic_sampling_max_draws, seed=ctx.cfg.data.seed * 1_000_003 + step)
+            rollouts = [r for r in rollouts if lo <= r.group < hi] if not g.dynamic_sampling else rollouts
             t1 = time.perf_counter()
             policy.train_mode()
-            stats = rl_update(ctx, policy, to_trajectories(rollouts), settings, g.advantage_scale)
-            grad_norm = clip_and_step(policy, optimizer, scheduler, g.max_grad_norm)
+            stats = rl_step(ctx, policy, optimizer, scheduler, to_trajectories(rollouts), settings, update, step)
             policy.eval_mode()
             t2 = time.perf_counter()
-            everyone = gather_summaries(rollouts, offset)
-            generated = sum(s.generated for s in everyone)
+            # Reward statistics are those of the scheduled prompts (comparable
+            # across pipelines); dynamic sampling's extra draws are counted apart.
+            everyone = gather_summaries([r for r in scheduled if lo <= r.group < hi], offset)
+            generated = sum(s.generated for s in everyone) + sum(extra_generated)
             last = log.log(
                 step + 1,
-                **group_stats(everyone), **stats, grad_norm=grad_norm,
+                **group_stats(everyone), **stats, **ds_counts, policy_version=version,
                 lr=scheduler.get_last_lr()[0], rollout_s=t1 - t0, update_s=t2 - t1,
-                tokens_per_s=stats["batch_tokens"] / max(t2 - t1, 1e-9),
+                tokens_per_s=stats.get("batch_tokens", 0) / max(t2 - t1, 1e-9),
                 generated_tokens_per_s=generated / max(t1 - t0, 1e-9),
             )
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < g.steps:

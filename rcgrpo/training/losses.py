@@ -60,19 +60,33 @@ def reference_logprobs(policy: TrainablePolicy, batch: PackedBatch, fused: bool,
     return out
 
 
+@torch.no_grad()
+def current_logprobs(lm: PackedLM, batch: PackedBatch, fused: bool, temperature: float,
+                     hidden: torch.Tensor) -> torch.Tensor:
+    """[N] the policy's log-probs at the loss positions (0 elsewhere) from final
+    hidden states already computed (one LM-head pass over the loss rows only,
+    no decoder pass): the trainer's side of the engine/trainer agreement."""
+    out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
+    out[batch.loss_mask] = token_logprobs(lm, batch, fused, temperature, hidden.detach()).float()
+    return out
+
+
 def rl_loss(lm: PackedLM, batch: PackedBatch, settings: RLLossSettings, fused: bool,
-            entropy: bool = True, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            entropy: bool = True, hidden: torch.Tensor | None = None,
+            token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped GRPO loss with k3 KL to `batch.ref_logp` (when beta > 0).
 
     `batch.old_logp` None means the rollouts came from the current weights
     (one update per rollout batch): ratio 1, gradient -A, as in GRPO.
+    `token_weights` [N] multiplies each token's loss (truncated importance
+    sampling; no gradient).
     """
     if batch.advantages is None:
         raise ValueError("attach group advantages to the batch before the loss")
     ref = batch.ref_logp if settings.beta > 0 else None
     common = dict(
         old_logp=batch.old_logp, ref_logp=ref, eps_low=settings.eps_low, eps_high=settings.eps_high,
-        beta=settings.beta, loss_type=settings.loss_type,
+        beta=settings.beta, loss_type=settings.loss_type, token_weights=token_weights,
     )
     hidden = lm.hidden_states(batch) if hidden is None else hidden
     if fused:
@@ -86,7 +100,8 @@ def rl_loss(lm: PackedLM, batch: PackedBatch, settings: RLLossSettings, fused: b
     loss, stats = kernels.grpo_loss(
         logp, batch.old_logp, ref, batch.advantages, batch.loss_mask, batch.cu_seqlens,
         eps_low=settings.eps_low, eps_high=settings.eps_high, beta=settings.beta,
-        loss_type=settings.loss_type, max_tokens=settings.max_tokens, impl="reference",
+        loss_type=settings.loss_type, max_tokens=settings.max_tokens, token_weights=token_weights,
+        impl="reference",
     )
     if entropy:
         with torch.no_grad():
