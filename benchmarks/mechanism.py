@@ -29,7 +29,14 @@ returned; re-running skips finished parts):
    checkpoint with that arm's conditioning (SFT + no token; RCTP + always
    high; RCTP + p = 0.5), same prompts and seeds: `--groups` groups of G.
 4. (c) The RL stage of each arm for `--steps` steps (reward and zero-variance
-   share per step, from the trainer's metrics.jsonl).
+   share per step, from the trainer's metrics.jsonl). The fourth arm,
+   sft+grpo-ds, is GRPO after SFT with dynamic sampling (`--ds-max-draws`
+   rollout rounds per step at most); its zero-variance share is that of each
+   step's scheduled prompts, before any group is dropped.
+
+`--arms` runs only the named arms (their checkpoints, samples and RL stages)
+and merges them into an existing mechanism.json; (a) is re-measured only when
+an RCTP arm is named.
 
 It writes `mechanism.json`, `mechanism.md` and `mechanism.png` into --out.
 Results are whatever was measured; nothing here expects a direction.
@@ -53,7 +60,9 @@ sys.path.insert(0, str(REPO))
 # multi-turn loop. Listed by `rcgrpo.data.rctp.expert_records` token counts.
 DEFAULT_ENTRIES = ["multi_turn_base_100", "multi_turn_base_104", "multi_turn_base_105", "multi_turn_base_132"]
 # arm -> (starting checkpoint, conditioning of its rollouts)
-ARMS = {"sft+grpo": ("sft", "none"), "rctp+grpo": ("rctp", "high"), "rctp+rc-grpo": ("rctp", "mixed")}
+ARMS = {"sft+grpo": ("sft", "none"), "rctp+grpo": ("rctp", "high"), "rctp+rc-grpo": ("rctp", "mixed"),
+        # DAPO's remedy for the same problem: GRPO after SFT, zero-variance groups dropped and redrawn.
+        "sft+grpo-ds": ("sft", "none")}
 Z95 = 1.959964
 
 
@@ -74,6 +83,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-total-tokens", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ds-max-draws", type=int, default=3, help="(c) sft+grpo-ds: rollout rounds per step at most")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help="comma-separated arms to run; others are kept from an earlier mechanism.json")
     p.add_argument("--report-only", action="store_true", help="only re-read finished parts and rewrite the report")
     p.add_argument("--worker", choices=["sample", "probe"], help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -247,6 +259,12 @@ def common_flags(args) -> list[str]:
             "--run.micro_batch_tokens", args.max_total_tokens, "--run.checkpoint_every", "2"]
 
 
+def resume_flag(args, name: str) -> list[str]:
+    """--resume continues a part a killed study left; a part not begun starts fresh
+    (the trainer refuses to resume a run that does not exist)."""
+    return ["--resume"] if (args.out / name / "config.json").exists() else []
+
+
 def finetune(args, kind: str) -> Path:
     """The SFT or RCTP checkpoint (runs/<out>/<kind>/models/<kind>)."""
     pipeline = "sft+grpo" if kind == "sft" else "rctp+rc-grpo"
@@ -254,9 +272,9 @@ def finetune(args, kind: str) -> Path:
     if not (args.out / kind / "stages" / f"{kind}.done").exists():
         section = f"--{kind}."
         sh([sys.executable, "-m", "rcgrpo.train", *common_flags(args), "--pipeline", pipeline,
-            "--stages", "sft" if kind == "sft" else "rctp-data,rctp", "--name", kind, "--resume",
+            "--stages", "sft" if kind == "sft" else "rctp-data,rctp", "--name", kind, *resume_flag(args, kind),
             section + "lr", args.ft_lr, section + "epochs", args.ft_epochs, section + "batch_size", args.ft_batch_size,
-            section + "warmup_ratio", "0"], args.out / kind / "log.txt")
+            section + "warmup_ratio", "0"], args.out / "logs" / f"{kind}.txt")
     return model
 
 
@@ -275,16 +293,20 @@ def worker(args, mode: str, name: str, **flags) -> dict:
 def rl_arm(args, arm: str, start: Path) -> list[dict]:
     from rcgrpo.metrics import read_records
 
+    from rcgrpo.config import PIPELINES, RL_STAGES
+
     name = f"arm-{arm.replace('+', '_')}"
-    rl_stage = arm.split("+")[1]
+    rl_stage = next(s for s in PIPELINES[arm] if s in RL_STAGES)
+    ds = ["--grpo.dynamic_sampling_max_draws", args.ds_max_draws] if arm.endswith("-ds") else []
     if not (args.out / name / "stages" / f"{rl_stage}.done").exists():
         sh([sys.executable, "-m", "rcgrpo.train", *common_flags(args), "--pipeline", arm, "--stages", rl_stage,
-            "--model", start, "--name", name, "--resume", "--grpo.steps", args.steps,
-            "--grpo.batch_size", args.batch_size, "--grpo.group_size", args.group_size, "--grpo.lr", args.rl_lr],
-           args.out / name / "log.txt")
+            "--model", start, "--name", name, *resume_flag(args, name), "--grpo.steps", args.steps,
+            "--grpo.batch_size", args.batch_size, "--grpo.group_size", args.group_size, "--grpo.lr", args.rl_lr,
+            *ds], args.out / "logs" / f"{name}.txt")
     records, _ = read_records(args.out / name / "metrics.jsonl")
     keys = ("step", "zero_var_frac", "reward_mean", "reward_mean_high", "reward_mean_low", "adv_std", "kl",
-            "entropy", "rollout_s", "update_s")
+            "entropy", "rollout_s", "update_s", "updates", "ds_draws", "ds_prompts_drawn", "ds_groups_kept",
+            "ds_groups_dropped", "logp_diff_abs_mean")
     return [{k: r[k] for k in keys if k in r} for r in records if r.get("stage") == rl_stage]
 
 
@@ -356,13 +378,16 @@ def report(results: dict) -> str:
     c = results.get("rl")
     if c:
         lines += ["**(c) RL steps** (batch {} x G {}, lr {})".format(s["batch_size"], s["group_size"], s["rl_lr"]), "",
-                  "| arm | step | zero-variance share | reward | high / low | KL | entropy |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| arm | step | zero-variance share | reward | high / low | KL | entropy | "
+                  "dynamic sampling: draws, prompts, groups kept |",
+                  "|---|---|---|---|---|---|---|---|"]
         for arm, rows in c.items():
             for r in rows:
                 hl = " / ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("reward_mean_high", "reward_mean_low"))
+                ds = (f"{r['ds_draws']}, {r['ds_prompts_drawn']}, {r['ds_groups_kept']}"
+                      + ("" if r.get("updates", 1) else " (no update)")) if "ds_draws" in r else "-"
                 lines.append(f"| {arm} | {r['step']} | {r['zero_var_frac']:.2f} | {r['reward_mean']:.3f} | {hl} | "
-                             f"{r.get('kl', 0.0):.2e} | {r.get('entropy', 0.0):.3f} |")
+                             f"{r.get('kl', 0.0):.2e} | {r.get('entropy', 0.0):.3f} | {ds} |")
     return "\n".join(lines) + "\n"
 
 
@@ -393,7 +418,7 @@ def plot(results: dict, path: Path) -> None:
         axes[1].errorbar(x, z["share"], yerr=error_bar(z["share"], z["ci"]), color="k",
                          capsize=6)
     axes[1].set(xticks=range(len(b)), xticklabels=list(b), ylim=(0, 1.05), title="(b) zero-variance groups at start")
-    styles = [("o", "-"), ("s", "--"), ("^", ":")]
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
     for k, (arm, rows) in enumerate(results.get("rl", {}).items()):
         marker, dash = styles[k % len(styles)]
         axes[2].plot([r["step"] + 0.04 * (k - 1) for r in rows], [r["zero_var_frac"] for r in rows],
@@ -422,9 +447,26 @@ def main(argv=None) -> int:
     t0 = time.time()
     results = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                             if k not in ("worker", "model", "conditioning", "records", "result")}}
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; known: {list(ARMS)}")
     if args.report_only:
         previous = json.loads((args.out / "mechanism.json").read_text())
         results = {**previous, "settings": previous["settings"]}
+    elif set(arms) != set(ARMS):
+        # Only some arms: everything else stays as the earlier run measured it.
+        previous = json.loads((args.out / "mechanism.json").read_text())
+        results = {**previous, "settings": {**previous["settings"], "ds_max_draws": args.ds_max_draws}}
+        kinds = {ARMS[a][0] for a in arms}
+        starts = {kind: finetune(args, kind) for kind in sorted(kinds)}
+        for arm in arms:
+            kind, cond = ARMS[arm]
+            sample = worker(args, "sample", f"start-{arm}", model=starts[kind], conditioning=cond)
+            results["zero_variance"][arm] = zero_variance(sample["groups"])
+            results["sampling_seconds"][arm] = sample["seconds"]
+            results["rl"][arm] = rl_arm(args, arm, starts[kind])
+        results.setdefault("minutes_by_arms", {})[",".join(arms)] = round((time.time() - t0) / 60, 1)
     else:
         from rcgrpo.models import resolve_model_folder
 

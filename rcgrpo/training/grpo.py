@@ -95,9 +95,14 @@ def gather_summaries(rollouts, group_offset: int) -> list[RolloutSummary]:
 
 
 def to_trajectories(rollouts) -> list[Trajectory]:
+    """Trajectories of the update. The engine's log-probs travel only when
+    every rollout has them (a scripted one has none): a batch has them for
+    all its tokens or not at all."""
+    with_logprobs = all(r.logprobs is not None for r in rollouts)
     return [
-        Trajectory(r.token_ids, r.loss_mask, group=r.group, reward=r.reward, logprobs=r.logprobs,
-                   versions=r.versions or None, meta={"entry_id": r.entry_id, "reward_token": r.reward_token})
+        Trajectory(r.token_ids, r.loss_mask, group=r.group, reward=r.reward,
+                   logprobs=r.logprobs if with_logprobs else None, versions=r.versions or None,
+                   meta={"entry_id": r.entry_id, "reward_token": r.reward_token})
         for r in rollouts
     ]
 

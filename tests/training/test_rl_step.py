@@ -1,0 +1,341 @@
+"""One RL step's update on a tiny model and real BFCL episodes: dynamic
+sampling (kept groups, draws and counts, the cap, a step with nothing
+informative), PPO epochs (the clip acts from the second pass), truncated
+importance sampling in the trainer, and the engine/trainer agreement in
+metrics.jsonl."""
+import dataclasses
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from rcgrpo.config import parse_args
+from rcgrpo.data.expert import expert_turns, script_from_turns
+from rcgrpo.policy import TrainablePolicy
+from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
+from rcgrpo.rollout.engine import Generation
+from rcgrpo.rollout.hf_engine import HFEngine
+from rcgrpo.training.context import RunContext
+from rcgrpo.training.grpo import (UpdateSettings, dynamic_sampling, prompt_schedule, rl_step, rl_update,
+                                  to_trajectories, train_rl)
+from rcgrpo.training.losses import RLLossSettings
+from rcgrpo.training.optimizer import make_optimizer
+
+from tests.training.conftest import save_tiny_llama
+
+FAIL_REPLY = "I cannot help with that."
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tokenizer):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def base_entries():
+    from rcgrpo.envs.bfcl import load_entries, split_train_test
+
+    train, _ = split_train_test(load_entries(["base"]))
+    # First turns that expect calls: a reply without one earns 0.
+    return [e for e in train if e.ground_truth[0]][:4]
+
+
+# ----------------------------------------------------------------- dynamic sampling, by itself
+
+
+@dataclasses.dataclass
+class FakeRollout:
+    entry: int
+    group: int
+    reward: float
+
+
+def fake_play(informative: set[int], log: list):
+    """Rollouts of G = 2 whose rewards are fixed per prompt: (1, 0) for an
+    informative entry, (0, 0) otherwise."""
+    def play(indices, draw):
+        log.append(list(indices))
+        return [FakeRollout(e, g, float(k == 0 and e in informative)) for g, e in enumerate(indices) for k in range(2)]
+    return play
+
+
+def _run(first, informative, num_entries, batch_size, max_draws):
+    log = [list(first)]
+    first_rollouts = fake_play(informative, [])(first, 0)
+    kept, counts = dynamic_sampling(fake_play(informative, log), first, first_rollouts, num_entries, batch_size,
+                                    max_draws, seed=3)
+    return kept, counts, log
+
+
+def test_dynamic_sampling_fills_the_batch_from_fresh_prompts():
+    kept, counts, log = _run([0, 1], set(range(2, 10)), 10, 3, 4)
+    assert counts == {"ds_draws": 2, "ds_prompts_drawn": 5, "ds_groups_kept": 3, "ds_groups_dropped": 2}
+    assert len(log[1]) == 3 and not set(log[1]) & {0, 1}  # the missing three, none played before
+    assert [r.group for r in kept] == [0, 0, 1, 1, 2, 2]
+    assert [r.entry for r in kept[::2]] == log[1]
+
+
+def test_dynamic_sampling_honours_the_cap():
+    kept, counts, log = _run([0, 3], {3}, 10, 2, 3)
+    # one informative group kept, then one prompt per draw until the cap
+    assert counts == {"ds_draws": 3, "ds_prompts_drawn": 4, "ds_groups_kept": 1, "ds_groups_dropped": 3}
+    assert [len(x) for x in log] == [2, 1, 1] and len({e for x in log for e in x}) == 4
+    assert [r.entry for r in kept] == [3, 3]
+
+
+def test_dynamic_sampling_keeps_no_more_than_the_batch():
+    kept, counts, _ = _run([4, 5, 6], {4, 5, 6}, 10, 2, 4)
+    assert counts == {"ds_draws": 1, "ds_prompts_drawn": 3, "ds_groups_kept": 2, "ds_groups_dropped": 1}
+    assert [r.entry for r in kept] == [4, 4, 5, 5]
+
+
+def test_dynamic_sampling_repeats_prompts_only_once_all_were_played():
+    _, counts, log = _run([0, 1], set(), 3, 2, 3)
+    assert counts["ds_prompts_drawn"] == 6 and counts["ds_groups_kept"] == 0
+    assert log[1][0] == 2  # the only fresh entry first
+
+
+# ----------------------------------------------------------------- dynamic sampling in train_rl
+
+
+class PerPromptEngine:
+    """Scripted engine for many conversations at once: for an entry in
+    `solvable`, every other new conversation replays the expert (reward 1) and
+    the rest give up (reward 0); other entries always give up. Conversations
+    are told apart by their token ids (each prompt extends its last one)."""
+
+    name = "per-prompt"
+    supports_sleep = False
+
+    def __init__(self, tokenizer, entries, solvable):
+        self.tok, self.eot = tokenizer, tokenizer.eos_token_id
+        self.entries, self.solvable = entries, set(solvable)
+        self.convs: list[dict] = []
+        self.new = defaultdict(int)
+        self.played: list[str] = []  # entry id of every new conversation
+
+    def _entry_of(self, prompt):
+        text = self.tok.decode(prompt)
+        return next(e for e in self.entries if e.turns[0][0]["content"] in text)
+
+    def generate(self, prompts, sampling):
+        out = []
+        for p in prompts:
+            p = list(p)
+            known = [c for c in self.convs if len(c["ids"]) <= len(p) and p[:len(c["ids"])] == c["ids"]]
+            if known:
+                conv = max(known, key=lambda c: len(c["ids"]))
+            else:
+                entry = self._entry_of(p)
+                expert = entry.id in self.solvable and self.new[entry.id] % 2 == 0
+                self.new[entry.id] += 1
+                self.played.append(entry.id)
+                conv = {"ids": p, "script": script_from_turns(expert_turns(entry)) if expert else [], "n": 0}
+                self.convs.append(conv)
+            text = conv["script"][conv["n"]] if conv["n"] < len(conv["script"]) else FAIL_REPLY
+            conv["n"] += 1
+            ids = list(self.tok(text, add_special_tokens=False)["input_ids"]) + [self.eot]
+            conv["ids"] = p + ids
+            out.append([Generation(ids, None, "stop")])
+        return out
+
+    def load_weights(self, named):
+        list(named)
+
+    def sleep(self):
+        pass
+
+    def wake_up(self):
+        pass
+
+
+def _ds_run(tmp_path, tokenizer, tiny_folder, *flags):
+    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "ds", "--pipeline", "sft+grpo-ds",
+                      "--run.checkpoint_every", "0", "--run.tensorboard", "false", "--grpo.steps", "1",
+                      "--grpo.batch_size", "2", "--grpo.group_size", "2", "--grpo.max_new_tokens", "64",
+                      "--grpo.beta", "0", "--grpo.lr", "1e-3", *flags], check_files=False)
+    assert cfg.grpo.dynamic_sampling
+    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=False)
+    return cfg, ctx, policy
+
+
+def _metrics(tmp_path):
+    return [json.loads(x) for x in (tmp_path / "ds" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_rl_with_dynamic_sampling_keeps_only_informative_groups(tmp_path, tokenizer, tiny_folder, base_entries):
+    cfg, ctx, policy = _ds_run(tmp_path, tokenizer, tiny_folder, "--grpo.dynamic_sampling_max_draws", "4")
+    scheduled = prompt_schedule(len(base_entries), 2, 1, cfg.data.seed)[0]
+    # The two entries the schedule does not play first are the solvable ones:
+    # round 1 keeps nothing, round 2 draws exactly them (fresh prompts first).
+    solvable = [base_entries[i].id for i in range(len(base_entries)) if i not in scheduled]
+    engine = PerPromptEngine(tokenizer, base_entries, solvable)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    train_rl(ctx, "grpo", policy, engine, base_entries, reward_conditioned=False)
+    (row,) = _metrics(tmp_path)
+    assert (row["ds_draws"], row["ds_prompts_drawn"], row["ds_groups_kept"], row["ds_groups_dropped"]) == (2, 4, 2, 2)
+    assert sorted(set(engine.played[4:])) == sorted(solvable) and len(engine.played) == 8
+    # Only the kept groups (rewards 1, 0 each) reached the loss: every advantage is +-1.
+    assert row["adv_abs_mean"] == pytest.approx(1.0, abs=1e-5) and row["updates"] == 1
+    # Reward statistics are those of the scheduled prompts (nothing solved there).
+    assert row["zero_var_frac"] == 1.0 and row["reward_mean"] == 0.0
+    assert any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
+
+
+def test_a_step_with_nothing_informative_makes_no_pass(tmp_path, tokenizer, tiny_folder, base_entries):
+    cfg, ctx, policy = _ds_run(tmp_path, tokenizer, tiny_folder, "--grpo.dynamic_sampling_max_draws", "3")
+    engine = PerPromptEngine(tokenizer, base_entries, solvable=[])
+    passes = []
+    hook = policy.model.register_forward_hook(lambda *_: passes.append(1))
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    try:
+        train_rl(ctx, "grpo", policy, engine, base_entries, reward_conditioned=False)
+    finally:
+        hook.remove()
+    (row,) = _metrics(tmp_path)
+    assert (row["ds_draws"], row["ds_prompts_drawn"], row["ds_groups_kept"]) == (3, 6, 0)
+    assert row["updates"] == 0 and "loss" not in row and "grad_norm" not in row
+    assert passes == []
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in policy.model.named_parameters())
+
+
+# ----------------------------------------------------------------- PPO epochs, TIS, agreement
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_folder, tokenizer, base_entries):
+    """Real sampled rollouts of the tiny model (HF engine, with its log-probs),
+    two groups of two; their rewards are set to (1, 0) and (0, 1) so that the
+    advantages are non-zero (the tiny model solves nothing)."""
+    model = TrainablePolicy.load(tiny_folder, parse_args([], check_files=False).model, torch.device("cpu"),
+                                 reference=False).model
+    cfg = RolloutConfig(max_new_tokens=24, max_total_tokens=6144, doc_style="compact_no_response", progress=False,
+                        seed=2)
+    rollouts = run_episodes(HFEngine(model, tokenizer), tokenizer, base_entries[:2], group_size=2, config=cfg,
+                            reward_tokens=None)
+    assert all(r.logprobs is not None for r in rollouts)
+    return [dataclasses.replace(r, reward=float(i in (0, 3))) for i, r in enumerate(rollouts)]
+
+
+def _ctx(tmp_path, tokenizer, tiny_folder):
+    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "u", "--run.tensorboard", "false"],
+                     check_files=False)
+    return RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+
+
+def _fresh(tiny_folder):
+    return TrainablePolicy.load(tiny_folder, parse_args([], check_files=False).model, torch.device("cpu"),
+                                reference=False)
+
+
+def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_folder, sampled):
+    from rcgrpo.batch import pack
+
+    ctx = _ctx(tmp_path, tokenizer, tiny_folder)
+    settings = RLLossSettings(eps_low=0.2, eps_high=0.2, beta=0.0)
+    trajectories = to_trajectories(sampled)
+    results = {}
+    for mu in (1, 2):
+        policy = _fresh(tiny_folder)
+        opt, sched = make_optimizer(policy, 3e-2, 0.0, 4, 0.0)
+        policy.train_mode()
+        results[mu] = (rl_step(ctx, policy, opt, sched, trajectories, settings,
+                               UpdateSettings(updates_per_batch=mu, max_grad_norm=0.0)), policy, sched)
+    two, _, sched2 = results[2]
+    assert two["updates"] == 2 and sched2.last_epoch == 2
+    # Pass 1 scores the weights the old log-probs came from: every ratio is 1.
+    assert two["clip_frac_pass1"] == 0.0
+    assert two["clip_frac_pass2"] > 0.0
+    # Pass 2 sees the weights after one update, which mu = 1 reaches too (same
+    # start, batch and step): its ratios against the pre-update log-probs give
+    # the clipped share pass 2 reported.
+    _, after_one, _ = results[1]
+    batch = pack(trajectories)
+    import kernels
+    from rcgrpo.training.grpo import trainer_logprobs
+    adv = kernels.group_advantages(batch.rewards, batch.seq_group)
+    old = trainer_logprobs(ctx, _fresh(tiny_folder), batch, 1.0)
+    new = trainer_logprobs(ctx, after_one, batch, 1.0)
+    m = batch.loss_mask
+    ratio = torch.exp(new - old)[m]
+    a = adv[kernels.packing.sequence_ids(torch.nonzero(m).reshape(-1), batch.cu_seqlens)]
+    clipped = ((ratio > 1.2) & (a > 0)) | ((ratio < 0.8) & (a < 0))
+    assert two["clip_frac_pass2"] == pytest.approx(float(clipped.float().mean()), abs=1e-6)
+    # Ratios moved both into and out of the clip range: the clip acts on some tokens only.
+    assert 0 < float(clipped.float().mean()) < 1
+
+
+def test_mini_batches_take_one_step_each(tmp_path, tokenizer, tiny_folder, sampled):
+    ctx = _ctx(tmp_path, tokenizer, tiny_folder)
+    policy = _fresh(tiny_folder)
+    opt, sched = make_optimizer(policy, 1e-3, 0.0, 4, 0.0)
+    policy.train_mode()
+    out = rl_step(ctx, policy, opt, sched, to_trajectories(sampled), RLLossSettings(beta=0.0),
+                  UpdateSettings(updates_per_batch=2, mini_batches=2))
+    assert out["updates"] == 4 and sched.last_epoch == 4
+    assert out["loss_tokens"] == sum(sum(r.loss_mask) for r in sampled)
+
+
+def _grads(policy):
+    return torch.cat([p.grad.reshape(-1) for p in policy.trainable_parameters()])
+
+
+def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
+    """Engine log-probs equal to the trainer's: TIS changes nothing. Engine
+    log-probs 1 nat below the trainer's on every other token: those weights are
+    capped at 2, the rest are 1, and the gradient changes."""
+    from rcgrpo.batch import pack
+    from rcgrpo.training.grpo import trainer_logprobs
+
+    ctx = _ctx(tmp_path, tokenizer, tiny_folder)
+    settings = RLLossSettings(beta=0.0)
+    policy = _fresh(tiny_folder)
+    policy.train_mode()
+    trajectories = to_trajectories(sampled)
+    own = trainer_logprobs(ctx, policy, pack(trajectories), 1.0)
+    # Per-token values back onto each trajectory (the packed batch shifts by one).
+    own_trajs, planted, start = [], [], 0
+    for t in trajectories:
+        n = len(t.token_ids)
+        lp = [0.0] + own[start:start + n - 1].tolist()
+        start += n
+        own_trajs.append(dataclasses.replace(t, logprobs=lp))
+        planted.append(dataclasses.replace(t, logprobs=[x - (1.0 if i % 2 else 0.0) for i, x in enumerate(lp)]))
+
+    def grad_of(trajs, cap):
+        for p in policy.trainable_parameters():
+            p.grad = None
+        stats = rl_update(ctx, policy, trajs, settings, "group", tis_cap=cap)
+        return _grads(policy).clone(), stats
+
+    plain, _ = grad_of(own_trajs, None)
+    same, s_same = grad_of(own_trajs, 2.0)
+    assert s_same["logp_diff_abs_mean"] < 1e-5 and s_same["tis_capped_frac"] == 0.0
+    assert s_same["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    torch.testing.assert_close(same, plain, rtol=1e-4, atol=1e-7)
+    moved, s_moved = grad_of(planted, 2.0)
+    assert 0.3 < s_moved["tis_capped_frac"] < 0.7
+    assert s_moved["tis_weight_mean"] == pytest.approx(1 + s_moved["tis_capped_frac"], abs=1e-4)
+    assert not torch.allclose(moved, plain, rtol=1e-2)
+    with pytest.raises(ValueError, match="tis_cap needs the engine's log-probs"):
+        grad_of([dataclasses.replace(t, logprobs=None) for t in trajectories], 2.0)
+
+
+def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base_entries):
+    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "agree", "--run.checkpoint_every", "0",
+                      "--run.tensorboard", "false", "--grpo.steps", "2", "--grpo.batch_size", "1",
+                      "--grpo.group_size", "2", "--grpo.max_new_tokens", "8", "--grpo.beta", "0",
+                      "--grpo.tis_cap", "2"], check_files=False)
+    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    policy = _fresh(tiny_folder)
+    engine = HFEngine(_fresh(tiny_folder).model, tokenizer)
+    train_rl(ctx, "rc-grpo", policy, engine, base_entries[:1], reward_conditioned=True)
+    rows = [json.loads(x) for x in (tmp_path / "agree" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [0, 1]
+    for r in rows:
+        # the HF engine samples with the same fp32 weights: rounding only
+        assert 0 <= r["logp_diff_abs_mean"] < 1e-4 and r["logp_diff_over_0.1_frac"] == 0.0
+        assert r["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert {"seq_log_ratio_mean", "seq_log_ratio_abs_max", "tis_capped_frac"} <= set(r)
