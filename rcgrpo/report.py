@@ -42,11 +42,24 @@ FIGURES = {
     "zero_var_frac": ("fraction of zero-variance groups", ["zero_var_frac"]),
     "entropy": ("policy entropy", ["entropy"]),
     "kl": ("KL to reference", ["kl"]),
+    # Rollout-trainer agreement: how far the engine's sampling log-probs are
+    # from the trainer's pre-update ones over the sampled tokens.
+    "logp_agreement": ("engine vs trainer log-probs (nats)", ["logp_diff_abs_mean", "seq_log_ratio_mean",
+                                                                "seq_log_ratio_abs_max"]),
+    "logp_agreement_share": ("share of tokens with |engine - trainer| > 0.1", ["logp_diff_over_0.1_frac"]),
+    "clip_frac": ("clipped share of tokens", ["clip_frac", "clip_frac_pass1", "clip_frac_pass2"]),
+    "dynamic_sampling": ("dynamic sampling per step", ["ds_prompts_drawn", "ds_groups_kept", "ds_groups_dropped"]),
 }
 SERIES_LABEL = {"reward_mean": "all rollouts", "reward_mean_high": "<|high_reward|>",
-                "reward_mean_low": "<|low_reward|>"}
+                "reward_mean_low": "<|low_reward|>",
+                "logp_diff_abs_mean": "mean |difference| per token",
+                "seq_log_ratio_mean": "mean log-ratio per sequence",
+                "seq_log_ratio_abs_max": "max |log-ratio| per sequence",
+                "clip_frac": "all updates", "clip_frac_pass1": "pass 1", "clip_frac_pass2": "pass 2",
+                "ds_prompts_drawn": "prompts drawn", "ds_groups_kept": "groups kept",
+                "ds_groups_dropped": "groups dropped"}
 METHOD_NAMES = {"rctp+rc-grpo": "RCTP + RC-GRPO", "rctp+grpo": "RCTP + GRPO", "sft+grpo": "SFT + GRPO",
-                "sft+rc-grpo": "SFT + RC-GRPO"}
+                "sft+rc-grpo": "SFT + RC-GRPO", "sft+grpo-ds": "SFT + GRPO (dynamic sampling)"}
 
 
 class ReportError(UserError, RuntimeError):

@@ -43,6 +43,20 @@ def test_pipeline_views():
     assert parse_args(["--pipeline", "sft+rc-grpo"]).eval.conditioning == "high"
 
 
+def test_dynamic_sampling_pipeline():
+    ds = parse_args(["--pipeline", "sft+grpo-ds"])
+    assert ds.grpo.dynamic_sampling is True and ds.rl_stage == "grpo" and ds.stages == ["sft", "grpo", "eval"]
+    assert ds.eval.conditioning == "none" and ds.run.name == "sft_grpo-ds"
+    assert parse_args([]).grpo.dynamic_sampling is False
+    assert parse_args(["--grpo.dynamic_sampling", "true"]).grpo.dynamic_sampling is True
+
+
+def test_dynamic_sampling_is_single_process(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="grpo.dynamic_sampling is single-process only"):
+        parse_args(["--pipeline", "sft+grpo-ds"])
+
+
 def test_layers_later_wins(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('preset = "cpu-small"\n[grpo]\nlr = 3e-6\nsteps = 7\n[model.lora]\nr = 4\n')
@@ -101,6 +115,12 @@ def test_cli_forms():
         (["--model.lora.dropout", "1"], "model.lora.dropout must be in [0, 1)"),
         (["--data.max_prompt_tokens", "9000"], "must exceed data.max_prompt_tokens"),
         (["--data.entry_ids", "multi_turn_base_1,multi_turn_base_1"], "data.entry_ids must be a non-empty list"),
+        (["--grpo.tis_cap", "0"], "grpo.tis_cap must be > 0 (none = off)"),
+        (["--grpo.mini_batches", "0"], "grpo.mini_batches must be >= 1"),
+        (["--grpo.batch_size", "2", "--grpo.mini_batches", "3"], "must not exceed grpo.batch_size (2)"),
+        (["--grpo.dynamic_sampling_max_draws", "0"], "grpo.dynamic_sampling_max_draws must be >= 1"),
+        (["--pipeline", "sft+grpo-ds", "--grpo.dynamic_sampling", "false"],
+         "grpo.dynamic_sampling false contradicts the pipeline sft+grpo-ds"),
     ],
 )
 def test_errors_name_the_setting(argv, needle):

@@ -24,7 +24,9 @@ def synthetic_run(run_dir, with_eval=True):
             hi, lo = min(1, 0.2 + s / 50 + 0.1 * rnd.random()), 0.1 * rnd.random()
             log.log(s, reward_mean=(hi + lo) / 2, reward_mean_high=hi, reward_mean_low=lo,
                     zero_var_frac=0.6 * math.exp(-s / 15), entropy=1.5 - s / 40, kl=0.001 * s,
-                    clip_frac=0.02, adv_std=0.8, tokens_per_s=500 + rnd.random() * 50)
+                    clip_frac=0.02, adv_std=0.8, tokens_per_s=500 + rnd.random() * 50,
+                    logp_diff_abs_mean=1e-4 * (1 + rnd.random()), seq_log_ratio_mean=0.01 * rnd.random(),
+                    seq_log_ratio_abs_max=0.02 + 0.01 * rnd.random(), **{"logp_diff_over_0.1_frac": 0.0})
     (run_dir / "config.json").write_text(json.dumps({"run": {"pipeline": "rctp+rc-grpo"}}))
     if with_eval:
         (run_dir / "eval.json").write_text(json.dumps({
@@ -37,7 +39,8 @@ def test_report_writes_valid_pngs_and_markdown(tmp_path):
 
     synthetic_run(tmp_path)
     assert main([str(tmp_path)]) == 0
-    for name in ("reward", "zero_var_frac", "entropy", "kl", "overview"):
+    for name in ("reward", "zero_var_frac", "entropy", "kl", "logp_agreement", "logp_agreement_share",
+                 "clip_frac", "overview"):
         png = tmp_path / f"{name}.png"
         assert png.read_bytes()[:8] == PNG_MAGIC
         with Image.open(png) as im:
@@ -50,6 +53,8 @@ def test_report_writes_valid_pngs_and_markdown(tmp_path):
     assert "| method | base | miss_func | miss_param | long_context | overall |" in md
     assert "| RCTP + RC-GRPO | 50.00 | 25.00 | 0.00 | 4.35 | 20.00 |" in md
     assert "![reward](reward.png)" in md and "### rc-grpo: 40 records, steps 1-40" in md
+    assert "![logp_agreement](logp_agreement.png)" in md
+    assert not (tmp_path / "dynamic_sampling.png").exists()  # no dynamic sampling in this run
 
 
 def test_report_without_eval_or_rl_metrics(tmp_path):
