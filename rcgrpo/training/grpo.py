@@ -138,7 +138,9 @@ class Agreement:
     THRESHOLD = 0.1  # nats: the share of tokens further apart than this is logged
 
     def __init__(self):
-        self.sums = defaultdict(float)
+        # Every key from the start: a rank without loss tokens still takes
+        # part in the same reduction as the others.
+        self.sums = dict.fromkeys(("tokens", "abs", "over", "tis_weight", "tis_capped"), 0.0)
         self.seq_log_ratios: list[float] = []
 
     def add(self, batch: PackedBatch, trainer_logp: torch.Tensor, tis_cap: float | None = None) -> None:
@@ -216,13 +218,12 @@ def trainer_logprobs(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatc
     fused = ctx.cfg.run.fused
     out = None if batch is None else torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
     bins = [] if batch is None else balance_micro_batches(batch.seq_lens, ctx.cfg.run.micro_batch_tokens)
-    micros = [(batch.select(ix), batch.token_positions(ix)) for ix in bins]
+    micros = [(m, batch.token_positions(ix)) for ix in bins if (m := batch.select(ix)).num_loss_tokens]
     for item, padding in lockstep(micros, ctx.device):
         micro, positions = (item, None) if padding else item
-        hidden = policy.lm.hidden_states(micro)
-        if padding or not micro.num_loss_tokens:
-            continue
-        out[positions] = current_logprobs(policy.lm, micro, fused, temperature, hidden)
+        hidden = policy.lm.hidden_states(micro)  # a padding pass too: FSDP's collectives pair up
+        if not padding:
+            out[positions] = current_logprobs(policy.lm, micro, fused, temperature, hidden)
     return out
 
 
@@ -253,7 +254,9 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
     if tis_cap is not None and any(m.engine_logp is None for m in micros):
         raise ValueError("grpo.tis_cap needs the engine's log-probs of every sampled token; "
                          "this batch's rollouts came without them")
-    sums: dict[str, float] = defaultdict(float)
+    # The keys every rank's losses report, set before the passes: a rank with
+    # padding passes only must reduce the same keys as the others.
+    sums = dict.fromkeys(("loss", "clip_frac", "entropy") + (("kl",) if settings.beta > 0 else ()), 0.0)
     for micro, padding in lockstep(micros, ctx.device):
         if settings.beta > 0:
             micro = dataclasses.replace(
@@ -276,7 +279,7 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
             continue
         sums["loss"] += float(loss.detach()) * weight
         for key, value in stats.items():
-            sums[key] += float(value) * weight
+            sums[key] = sums.get(key, 0.0) + float(value) * weight
     out = distributed.all_reduce_sum(dict(sums))
     out["loss_tokens"], out["batch_tokens"] = round(counts["loss_tokens"]), round(counts["batch_tokens"])
     return out
