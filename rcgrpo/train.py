@@ -2,6 +2,7 @@
 
     rctp+rc-grpo (default):  rctp-data -> rctp -> rc-grpo -> eval
     rctp+grpo / sft+grpo / sft+rc-grpo: the baselines of the paper's Table 1/3
+    sft+grpo-ds: GRPO with DAPO's dynamic sampling after SFT (the competing remedy)
 
 Each stage reads the previous stage's exported model (runs/<name>/models/<stage>)
 and leaves its own; a finished stage is skipped on `--resume`, an unfinished
