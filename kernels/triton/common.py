@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -15,10 +16,15 @@ def interpreting() -> bool:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must not be silently truncated to tf32: every path promises
-    # fp32 arithmetic. For bf16/fp16 the products are exact in fp32 and the
-    # option is ignored.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``tl.dot`` input precision for tiles of ``dtype``.
+
+    fp32 tiles take "tf32x3": each product is split into three tf32 tensor-core
+    products (hi*hi + hi*lo + lo*hi), which keeps fp32-level accuracy (the
+    promise of every path) at tensor-core speed; "ieee" would run on the FMA
+    units at a fraction of that rate, and plain "tf32" would round the inputs
+    to 10 mantissa bits. For bf16/fp16 the products are exact in fp32 and the
+    option is ignored."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def upcast_for_dot(dtype: torch.dtype) -> bool:
@@ -30,6 +36,54 @@ def upcast_for_dot(dtype: torch.dtype) -> bool:
     the bf16 tiles go to the tensor cores as they are.
     """
     return interpreting() and dtype == torch.bfloat16
+
+
+class Tuner:
+    """Chooses one ``triton.Config`` per key by timing every config on the
+    call's own inputs, once per key (CUDA only).
+
+    Used instead of ``triton.autotune`` where the launch grid and host-side
+    buffers depend on the config (the vocabulary split count of the fused
+    sweep does): ``launch(config)`` performs the whole launch, so the timing
+    covers exactly what production runs. Launchers must only write their
+    outputs (no accumulation), since timing repeats them.
+
+    Under the interpreter the small ``interp_config`` runs; ``forced`` pins a
+    config everywhere (tests run every config; gpu-check checks each one);
+    KERNELS_AUTOTUNE=0 takes the first config without timing.
+    """
+
+    def __init__(self, configs, interp_config):
+        self.configs = list(configs)
+        self.interp_config = interp_config
+        self.forced = None
+        self.best: dict = {}
+
+    def pick(self, key, launch, device: torch.device):
+        if self.forced is not None:
+            return self.forced
+        if interpreting():
+            return self.interp_config
+        cfg = self.best.get(key)
+        if cfg is None:
+            if device.type != "cuda" or len(self.configs) == 1 or os.environ.get("KERNELS_AUTOTUNE", "1") == "0":
+                cfg = self.configs[0]
+            else:
+                from triton.testing import do_bench
+
+                times = [do_bench(lambda c=c: launch(c), warmup=5, rep=25) for c in self.configs]
+                cfg = self.configs[min(range(len(times)), key=times.__getitem__)]
+            self.best[key] = cfg
+        return cfg
+
+    def run(self, key, launch, device: torch.device):
+        """Launch with the config chosen for ``key``; returns what ``launch`` returns."""
+        return launch(self.pick(key, launch, device))
+
+
+def size_bucket(n: int) -> int:
+    """log2 bucket of a size: tuned choices are shared within a factor of 2."""
+    return max(int(n), 1).bit_length()
 
 
 def search_iters(num_seqs: int) -> int:
