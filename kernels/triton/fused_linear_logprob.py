@@ -186,17 +186,47 @@ def _dlogits_kernel(H, stride_h, W, stride_w, BIAS, TARGETS, LSE, COEF, DZ, stri
     tl.store(DZ + rows64[:, None] * stride_dz + cols64[None, :], dz.to(DZ.dtype.element_ty), mask=ok)
 
 
-# Tile configs timed per key on a GPU. The interpreter runs small tiles
-# (tl.dot needs >= 16) unless a test forces one of these.
-GPU_CONFIGS = [
-    triton.Config(dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
-    triton.Config(dict(BLOCK_M=128, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
-    triton.Config(dict(BLOCK_M=128, BLOCK_V=64, BLOCK_K=64), num_warps=4, num_stages=4),
-    triton.Config(dict(BLOCK_M=64, BLOCK_V=256, BLOCK_K=32), num_warps=8, num_stages=3),
-]
-INTERP_CONFIG = triton.Config(dict(BLOCK_M=16, BLOCK_V=32, BLOCK_K=16), num_warps=4, num_stages=1)
-partials_tuner = Tuner(GPU_CONFIGS, INTERP_CONFIG)
-dlogits_tuner = Tuner(GPU_CONFIGS, INTERP_CONFIG)
+# Tile configs timed per key on a GPU, per kind. Each list holds only tiles
+# that compile without register spills for sm_90 and sm_80 (checked by
+# tests/kernels/test_kernels_compile.py): the entropy sum keeps one more
+# [BLOCK_M, BLOCK_V] tile live, and tf32x3 splits every fp32 operand in two.
+_C = triton.Config
+CONFIGS = {
+    "bf16": [  # bf16 and fp16 tiles
+        _C(dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=128, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=128, BLOCK_V=64, BLOCK_K=64), num_warps=4, num_stages=4),
+        _C(dict(BLOCK_M=64, BLOCK_V=256, BLOCK_K=32), num_warps=8, num_stages=3),
+    ],
+    "bf16_entropy": [
+        _C(dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=128, BLOCK_V=64, BLOCK_K=64), num_warps=8, num_stages=4),
+    ],
+    "fp32": [
+        _C(dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=32), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=128, BLOCK_V=64, BLOCK_K=32), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32), num_warps=4, num_stages=3),
+    ],
+}
+GPU_CONFIGS = [c for cfgs in CONFIGS.values() for c in cfgs]
+# The interpreter runs small tiles (tl.dot needs >= 16) unless a config is forced.
+INTERP_CONFIG = _C(dict(BLOCK_M=16, BLOCK_V=32, BLOCK_K=16), num_warps=4, num_stages=1)
+partials_tuner = Tuner(CONFIGS, INTERP_CONFIG)
+dlogits_tuner = Tuner({k: v for k, v in CONFIGS.items() if k != "bf16_entropy"}, INTERP_CONFIG)
+
+
+def tile_kind(dtype: torch.dtype, want_entropy: bool = False) -> str:
+    """Which config list serves tiles of ``dtype``."""
+    if dtype == torch.float32:
+        return "fp32"
+    return "bf16_entropy" if want_entropy else "bf16"
+
+
+def config_for(dtype: torch.dtype, want_entropy: bool, forced):
+    """The forward config a launch of this kind runs with under ``forced_config(forced)``
+    (the interpreter's when ``forced`` pins nothing for it)."""
+    return partials_tuner.forced_choice(tile_kind(dtype, want_entropy), forced) or INTERP_CONFIG
+
 
 # The interpreter pretends to have 2 SMs, so that small test problems already
 # take several vocabulary splits of several tiles each.
@@ -210,7 +240,9 @@ INTERP_L2_BYTES = 64 * 64 * 4 / L2_SHARE_FOR_HIDDEN
 
 @contextlib.contextmanager
 def forced_config(cfg):
-    """Run every fused-linear launch inside the block with ``cfg`` (tests, gpu-check)."""
+    """Run the fused-linear launches inside the block with ``cfg``: a Config
+    (for the kinds that list it; INTERP_CONFIG for all) or an index i (each
+    kind's i-th config). For tests and gpu-check."""
     saved = partials_tuner.forced, dlogits_tuner.forced
     partials_tuner.forced = dlogits_tuner.forced = cfg
     try:
@@ -288,7 +320,7 @@ def forward_partials(h, w, bias, targets, inv_temp, want_entropy):
         return (pm, ps, pzt, pez), n_splits
 
     key = (v, hdim, size_bucket(m), h.dtype, bias is not None, bool(want_entropy))
-    return partials_tuner.run(key, launch, h.device)
+    return partials_tuner.run(tile_kind(h.dtype, want_entropy), key, launch, h.device)
 
 
 def linear_logprobs_forward(h, w, bias, targets, inv_temp):
@@ -385,7 +417,7 @@ def linear_logprobs_backward(h, w, bias, targets, lse, coef, inv_temp, need_h, n
                 coef[a:b], dz, dz.stride(0), n, v, hdim, inv_temp, group_m, HAS_BIAS=bias is not None,
                 PREC=prec, UPCAST=upcast_for_dot(h.dtype), **cfg.all_kwargs())
 
-        dlogits_tuner.run((v, hdim, size_bucket(n), h.dtype, bias is not None), launch, dev)
+        dlogits_tuner.run(tile_kind(h.dtype), (v, hdim, size_bucket(n), h.dtype, bias is not None), launch, dev)
         if need_h:
             if dz_dtype == h.dtype:
                 torch.mm(dz, w_gemm, out=dh[a:b])

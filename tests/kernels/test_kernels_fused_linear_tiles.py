@@ -16,8 +16,10 @@ from kernels_testlib import DEVICE, assert_close, leaf, old_ref_for, packed_prob
 
 flp = pytest.importorskip("kernels.triton.fused_linear_logprob")
 
-ALL_CONFIGS = [flp.INTERP_CONFIG] + flp.GPU_CONFIGS
-CONFIG_IDS = ["interp"] + [f"gpu{i}" for i in range(len(flp.GPU_CONFIGS))]
+# the interpreter's tiles, then "the i-th config of each kind" for every i
+FORCED = [flp.INTERP_CONFIG] + list(range(max(len(c) for c in flp.CONFIGS.values())))
+FORCED_IDS = ["interp"] + [f"config{i}" for i in FORCED[1:]]
+GPU_CONFIGS = list({id(c): c for c in flp.GPU_CONFIGS}.values())
 HDIM = 40  # not a multiple of any BLOCK_K: the K loop's last tile is masked
 
 
@@ -39,10 +41,11 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(flp, "dlogits_group_m", lambda *a: 2)
 
 
-@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("forced", FORCED, ids=FORCED_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_linear_logprobs_every_config(cfg, dtype, small_chunks):
+def test_fused_linear_logprobs_every_config(forced, dtype, small_chunks):
     triton_ready()
+    cfg = flp.config_for(dtype, False, forced)
     v = _vocab_for(cfg)
     n = 29  # two 16-row blocks (the second ragged) or one ragged GPU block
     splits, split_len = flp.vocab_splits(n, v, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_V"], _sms(DEVICE))
@@ -57,7 +60,7 @@ def test_fused_linear_logprobs_every_config(cfg, dtype, small_chunks):
     ins_ref = [leaf(hidden), leaf(weight), leaf(bias)]
     ins = [leaf(hidden), leaf(weight), leaf(bias)]
     want = kernels.fused_linear_logprobs(ins_ref[0], ins_ref[1], targets, 0.8, ins_ref[2], impl="reference")
-    with flp.forced_config(cfg):
+    with flp.forced_config(forced):
         got = kernels.fused_linear_logprobs(ins[0], ins[1], targets, 0.8, ins[2], impl="triton")
         (got * upstream).sum().backward()
     (want * upstream).sum().backward()
@@ -67,11 +70,12 @@ def test_fused_linear_logprobs_every_config(cfg, dtype, small_chunks):
         assert_close(a.grad, e.grad, dtype, name, grad=True)
 
 
-@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("forced", FORCED, ids=FORCED_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_grpo_loss_every_config(cfg, dtype, small_chunks):
+def test_fused_linear_grpo_loss_every_config(forced, dtype, small_chunks):
+    """With entropy: the forward runs the entropy kind's configs, the backward the plain ones."""
     triton_ready()
-    p = packed_problem(hdim=HDIM, vocab=_vocab_for(cfg), dtype=dtype, seed=12)
+    p = packed_problem(hdim=HDIM, vocab=_vocab_for(flp.config_for(dtype, True, forced)), dtype=dtype, seed=12)
     old, ref = old_ref_for(p)
     args = lambda q: (q["hidden"], q["weight"], p["targets"], p["advantages"], p["loss_mask"],  # noqa: E731
                       p["cu_seqlens"], old, ref)
@@ -79,7 +83,7 @@ def test_fused_linear_grpo_loss_every_config(cfg, dtype, small_chunks):
     q = {k: leaf(p[k]) for k in ("hidden", "weight")}
     kw = dict(beta=0.04, compute_entropy=True)
     want, want_stats = kernels.fused_linear_grpo_loss(*args(q_ref), impl="reference", **kw)
-    with flp.forced_config(cfg):
+    with flp.forced_config(forced):
         got, stats = kernels.fused_linear_grpo_loss(*args(q), impl="triton", **kw)
         got.backward()
     want.backward()
@@ -100,7 +104,8 @@ def _wave_efficiency(m, v, bm, bv, sms, splits, split_len):
 
 
 @pytest.mark.parametrize("m", [512, 4096, 16384])
-@pytest.mark.parametrize("cfg", flp.GPU_CONFIGS, ids=CONFIG_IDS[1:])
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=lambda c: "M{BLOCK_M}-V{BLOCK_V}-K{BLOCK_K}".format(**c.kwargs)
+                         + f"-w{c.num_warps}")
 def test_vocab_splits_fill_whole_waves_on_an_h200(m, cfg):
     bm, bv = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_V"]
     v = 151_936
@@ -174,7 +179,8 @@ def test_tuner_times_each_config_once_per_key(monkeypatch):
 
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.delenv("KERNELS_AUTOTUNE", raising=False)
-    cost = {id(c): t for c, t in zip(flp.GPU_CONFIGS, (3.0, 1.0, 2.0, 4.0))}
+    cfgs = flp.CONFIGS["bf16"]
+    cost = {id(c): t for c, t in zip(cfgs, (3.0, 1.0, 2.0, 4.0))}
     timed = []
 
     def fake_bench(fn, **_):
@@ -185,22 +191,27 @@ def test_tuner_times_each_config_once_per_key(monkeypatch):
         return cost[id(cfg)]
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
-    tuner = common.Tuner(flp.GPU_CONFIGS, flp.INTERP_CONFIG)
+    tuner = common.Tuner({"a": cfgs, "b": cfgs[:2]}, flp.INTERP_CONFIG)
     cuda = torch.device("cuda")
-    assert tuner.pick("k", launch, cuda) is flp.GPU_CONFIGS[1]
+    assert tuner.pick("a", "k", launch, cuda) is cfgs[1]
     assert len(timed) == 4
-    assert tuner.pick("k", launch, cuda) is flp.GPU_CONFIGS[1] and len(timed) == 4  # cached
-    tuner.pick("k2", launch, cuda)
+    assert tuner.pick("a", "k", launch, cuda) is cfgs[1] and len(timed) == 4  # cached
+    tuner.pick("a", "k2", launch, cuda)
     assert len(timed) == 8  # a new key is timed again
-    tuner.forced = flp.GPU_CONFIGS[3]
-    assert tuner.pick("k3", launch, cuda) is flp.GPU_CONFIGS[3] and len(timed) == 8
+    tuner.pick("b", "k", launch, cuda)
+    assert len(timed) == 10  # another kind times its own list
+    tuner.forced = cfgs[3]
+    assert tuner.pick("a", "k3", launch, cuda) is cfgs[3] and len(timed) == 10
+    assert tuner.pick("b", "k", launch, cuda) is cfgs[1]  # not one of b's: b's own choice
+    tuner.forced = 3
+    assert tuner.pick("b", "k4", launch, cuda) is cfgs[1]  # b has two: its last
 
 
 def test_tuning_keys_carry_token_bucket_and_entropy(monkeypatch):
     triton_ready()
     keys = []
     real = flp.partials_tuner.run
-    monkeypatch.setattr(flp.partials_tuner, "run", lambda key, *a: keys.append(key) or real(key, *a))
+    monkeypatch.setattr(flp.partials_tuner, "run", lambda kind, key, *a: keys.append(key) or real(kind, key, *a))
     g = torch.Generator().manual_seed(13)
     w = torch.randn(64, 16, generator=g).to(DEVICE)
     for n, ent in ((20, False), (20, True), (40, False), (60, False)):
