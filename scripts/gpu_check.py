@@ -244,41 +244,14 @@ def matmul_rate(device) -> float | None:
     return 2 * 8192**3 / t / 1e12
 
 
-def liger_fn(x, completion_only):
-    """LigerFusedLinearGRPOLoss on [S, SEQ, H] (all positions) or on each
-    sequence's completion tail [S, L, H] (what TRL passes: logits_to_keep)."""
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-    s, hdim = x["s"], x["hidden"].shape[1]
-    keep = int(x["mask"].view(s, SEQ)[0].sum()) if completion_only else SEQ
-    sl = slice(SEQ - keep, SEQ)
-    # compiled as TRL uses it (torch.compile of the chunk step); GPU_CHECK_LIGER_COMPILED=0 skips the compile
-    compiled = x["hidden"].is_cuda and os.environ.get("GPU_CHECK_LIGER_COMPILED", "1") != "0"
-    loss_fn = LigerFusedLinearGRPOLoss(beta=LOSS["beta"], compiled=compiled, chunk_size=1,
-                                       epsilon_low=LOSS["eps_low"], epsilon_high=LOSS["eps_high"],
-                                       loss_type=LOSS["loss_type"], temperature=1.0)
-    ids = x["targets"].view(s, SEQ)[:, sl]
-    mask = x["mask"].view(s, SEQ)[:, sl].float()
-    old = x["old"].view(s, SEQ)[:, sl]
-    ref = x["ref"].view(s, SEQ)[:, sl]
-
-    def run():
-        x["hidden"].grad = x["weight"].grad = None
-        h = x["hidden"].view(s, SEQ, hdim)[:, sl]
-        loss, _ = loss_fn(h, x["weight"], ids, mask, x["adv"], ref_per_token_logps=ref, old_per_token_logps=old)
-        loss.backward()
-        return loss
-    return run
-
-
 def timing_case(rec, hdim, vocab, n, device, peak_tflops):
     x = make_inputs(hdim, vocab, n, 0.25, torch.bfloat16, device)
     m = int(x["mask"].sum())
     useful = 6 * m * vocab * hdim  # forward projection + the two backward GEMMs, loss rows only
     paths = {"triton": make_fn("triton" if device == "cuda" or _interp() else "chunked", x),
              "reference": make_fn("reference", x),
-             "liger_all_positions": liger_fn(x, False),
-             "liger_completion_slice": liger_fn(x, True)}
+             "liger_all_positions": make_fn("liger", x, compiled=liger_compiled(x)),
+             "liger_completion_slice": make_fn("liger_completion", x, compiled=liger_compiled(x))}
     res, losses = {}, {}
     for name, fn in paths.items():
         try:
@@ -320,6 +293,12 @@ def timing_case(rec, hdim, vocab, n, device, peak_tflops):
                ratios=ratios, targets=targets, losses=losses, loss_agrees_with_reference=agree)
     assert agree.get("triton", True), f"Triton loss {losses.get('triton')} != reference {losses.get('reference')}"
     return rec
+
+
+def liger_compiled(x) -> bool:
+    """Liger's chunk step under torch.compile, as TRL uses it (CUDA only);
+    GPU_CHECK_LIGER_COMPILED=0 skips the compile."""
+    return x["hidden"].is_cuda and os.environ.get("GPU_CHECK_LIGER_COMPILED", "1") != "0"
 
 
 def _interp():
