@@ -365,7 +365,7 @@ def dz_chunk_rows(m: int, v: int, dz_bytes: int, device: torch.device, reserve_b
 def dlogits_group_m(block_m: int, row_bytes: int, device: torch.device) -> int:
     """Token blocks per d/dlogits group: their hidden rows fill a share of L2."""
     if device.type == "cuda":
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20
     else:
         l2 = INTERP_L2_BYTES if interpreting() else 50 << 20
     return max(1, int(l2 * L2_SHARE_FOR_HIDDEN) // (block_m * row_bytes))
