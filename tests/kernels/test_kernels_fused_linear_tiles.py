@@ -228,7 +228,9 @@ def test_bf16_weight_gradient_is_accumulated_and_returned_in_fp32(rows, monkeypa
     bf16 d/dlogits and hidden chunks: no rounding to bf16 per chunk (which
     the old path did, an error of up to 2^-9 of each chunk's sum). The GEMM
     inputs are recorded to compute the exact sum in fp64; one chunk takes
-    the fast path, 100-row chunks sum six."""
+    the fast path, 100-row chunks sum six. (The recorded dz, not a
+    recomputed one, is the baseline: Triton's interpreter truncates fp32 ->
+    bf16 stores instead of rounding them, a bias of ~2^-9 a GPU does not have.)"""
     triton_ready()
     if rows is not None:
         monkeypatch.setattr(flp, "dz_chunk_rows", lambda m, *a, **k: rows)
