@@ -51,16 +51,14 @@ PRODUCTION_H = (896, 3584, 4096)
 
 
 def jit_functions():
-    """{qualified name: JITFunction} for every jit function of kernels/triton."""
-    import kernels.triton as pkg
+    """{module.name: JITFunction} for every jit function of kernels/triton."""
     from triton.runtime.jit import JITFunction
 
     found = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"kernels.triton.{info.name}")
+    for short, mod in _modules():
         for name, obj in vars(mod).items():
             if isinstance(obj, JITFunction) and obj.module == mod.__name__:
-                found[f"{info.name}.{name}"] = obj
+                found[f"{short}.{name}"] = obj
     return found
 
 
@@ -68,8 +66,7 @@ def entry_kernels(jits):
     """The jit functions no other jit function calls (helpers are inlined)."""
     called = set()
     for fn in jits.values():
-        body = fn.src.split(":", 1)[1] if ":" in fn.src else fn.src
-        called |= set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", body))
+        called |= set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", fn.src)) - {fn.__name__}
     return {q: fn for q, fn in jits.items() if fn.__name__ not in called}
 
 
@@ -175,12 +172,13 @@ def run_workload():
 
 
 def tuners():
+    """Every Tuner the kernel modules hold (once each, wherever imported)."""
     from kernels.triton.common import Tuner
 
-    found = []
-    for q, mod in _modules():
-        found += [obj for obj in vars(mod).values() if isinstance(obj, Tuner)]
-    return found
+    found = {}
+    for _, mod in _modules():
+        found.update({id(obj): obj for obj in vars(mod).values() if isinstance(obj, Tuner)})
+    return list(found.values())
 
 
 def _modules():
