@@ -166,7 +166,9 @@ def timed(fn, reps=3):
 
 # ------------------------------------------------------------- 1. correctness
 def fused_grpo_case(rec, hdim, vocab, n, device, rows_options):
-    """Triton vs chunked, forward and backward, every config x dz chunking."""
+    """Triton vs chunked, forward and backward, under every config of each
+    kind: without entropy (the plain forward tiles) with one d/dlogits chunk
+    and with several ragged ones, and with entropy (its own forward tiles)."""
     from kernels.triton import fused_linear_logprob as flp
 
     x = make_inputs(hdim, vocab, n, 0.25, torch.bfloat16, device)
@@ -175,7 +177,7 @@ def fused_grpo_case(rec, hdim, vocab, n, device, rows_options):
 
     def run(impl, **extra):
         x["hidden"].grad = x["weight"].grad = None
-        loss, stats = kernels.fused_linear_grpo_loss(*args(), impl=impl, **kw, **extra)
+        loss, stats = kernels.fused_linear_grpo_loss(*args(), impl=impl, **{**kw, **extra})
         loss.backward()
         return loss.detach(), {k: v.detach() for k, v in stats.items()}, x["hidden"].grad, x["weight"].grad
 
@@ -192,24 +194,26 @@ def fused_grpo_case(rec, hdim, vocab, n, device, rows_options):
     m = int(x["mask"].sum())
     n_forced = max(len(c) for c in flp.CONFIGS.values())
     checked = []
+    one, several = rows_options(m)
     for forced in range(n_forced):
-        for rows in rows_options(m):
+        for entropy, rows in ((False, one), (False, several), (True, one)):
             real = flp.dz_chunk_rows
             if rows is not None:
                 flp.dz_chunk_rows = lambda m_, *a, r=rows, **k: min(m_, r)
             try:
                 with flp.forced_config(forced):
-                    loss, stats, dh, dw = run("triton")
+                    loss, stats, dh, dw = run("triton", compute_entropy=entropy)
             finally:
                 flp.dz_chunk_rows = real
-            where = f"config {forced}, dz rows {rows or 'from free memory'}"
+            where = f"config {forced}, entropy {entropy}, dz rows {rows or 'from free memory'}"
             assert_close(loss, want[0], torch.bfloat16, f"loss ({where})")
-            for k in want[1]:
+            assert set(stats) == set(want[1]) - ({"entropy"} if not entropy else set())
+            for k in stats:
                 assert_close(stats[k], want[1][k], torch.bfloat16, f"{k} ({where})")
             assert_close(dh, want[2], torch.bfloat16, f"dhidden ({where})", grad=True)
             assert_close(dw, want[3], torch.bfloat16, f"dweight ({where})", grad=True)
-            checked.append(dict(forced=forced, dz_rows=rows or "free memory",
-                                fwd=flp.config_for(torch.bfloat16, True, forced).kwargs,
+            checked.append(dict(forced=forced, entropy=entropy, dz_rows=rows or "free memory",
+                                fwd=flp.config_for(torch.bfloat16, entropy, forced).kwargs,
                                 bwd=flp.config_for(torch.bfloat16, False, forced).kwargs))
     rec.update(n=n, loss_tokens=m, hdim=hdim, vocab=vocab, checked=checked, loss=float(want[0]))
 
