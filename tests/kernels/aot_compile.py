@@ -301,6 +301,7 @@ def _compile_one(sm, target, fn, options, signature, constexprs, attrs):
     row["wgmma"] = "wgmma.mma_async" in ptx
     row["mma"] = bool(re.search(r"\bmma\.sync", ptx)) or row["wgmma"]
     row["tf32_mma"] = bool(re.search(r"(wgmma\.mma_async|mma\.sync)\S*\.tf32", ptx))
+    row["dot_precision"] = sorted(set(re.findall(r"inputPrecision = (\w+)", ck.asm["ttir"])))
     return row
 
 

@@ -52,10 +52,10 @@ def table(result) -> str:
             lines.append(f"{r['kernel']:44} {r['target']:6} {r['dtype']:5} {r['tiles']:15} ERROR {r['error']}")
             continue
         mma = "wgmma" if r["wgmma"] else ("mma" if r["mma"] else "-")
-        mma += "/tf32" if r["tf32_mma"] else ""
+        mma += ("/tf32x3" if "tf32x3" in r["dot_precision"] else "/tf32") if r["tf32_mma"] else ""
         lines.append(f"{r['kernel']:44} {r['target']:6} {r['dtype']:5} {r['tiles']:15} {r['warps']:>2} "
                      f"{r['stages']:>2} {r['flags'][:26]:26} {r['regs']:>4} {r['spill']:>5} "
-                     f"{r['smem'] / 1024:>8.1f} {mma:6}")
+                     f"{r['smem'] / 1024:>8.1f} {mma:12}")
     return "\n".join(lines)
 
 
@@ -85,4 +85,6 @@ def test_every_kernel_compiles_for_hopper_and_ampere(compiled, request):
         if r["kernel"].endswith(TILED):
             where = f"{r['kernel']} {r['target']} {r['dtype']} {r['tiles']}"
             assert r["wgmma"] if r["target"] == "sm_90" else r["mma"], f"{where}: no tensor-core instructions"
-            assert r["tf32_mma"] == (r["dtype"] == "fp32"), f"{where}: fp32 must run as tf32x3 mma, others not"
+            assert r["tf32_mma"] == (r["dtype"] == "fp32"), f"{where}: fp32 must run as tf32 mma, others not"
+            if r["dtype"] == "fp32":  # three tf32 products per fp32 one, not a single rounded one
+                assert r["dot_precision"] == ["tf32x3"], f"{where}: dots {r['dot_precision']}"
