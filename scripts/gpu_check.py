@@ -16,6 +16,8 @@ carried wheels offline first. Sized for one H200 and at most 6 minutes:
 3. a train step (forward, backward, AdamW) of a randomly initialised model
    with Qwen2.5-0.5B's layer shapes and one with Qwen2.5-7B's (2 layers),
    packed multi-sequence micro-batches, fused vs reference: tokens/s, peak.
+4. with the time that is left, tests/kernels on CUDA (every kernel family
+   at small shapes; the CPU-only compile test excluded), stopped at the budget.
 
 After every case the summary JSON is rewritten (``$GPU_CHECK_OUT``, default
 ``.benchmarks/gpu_check``), so a run cut short still leaves its verdict.
@@ -381,6 +383,39 @@ def train_step_case(rec, kind, device, dry, seqs, seq_len, micro_tokens):
     del model, policy, opt
 
 
+# ------------------------------------------------- 4. the kernel unit tests
+def kernel_tests_case(rec, out_dir, dry, seconds_left):
+    """pytest tests/kernels in a subprocess, stopped before the budget ends.
+    A dry run takes one test file (the suite itself runs in `make test`)."""
+    import subprocess
+    import xml.etree.ElementTree as ET
+
+    xml = out_dir / "tests_kernels.xml"
+    target = ["tests/kernels/test_kernels_logprobs.py"] if dry else ["tests/kernels"]
+    # --noconftest: tests/conftest.py configures hypothesis, which that machine
+    # lacks and tests/kernels does not use (its own conftest only arranges the
+    # interpreter off a GPU, which TRITON_INTERPRET already says here)
+    cmd = [sys.executable, "-m", "pytest", *target, "-q", "-p", "no:cacheprovider", "--noconftest",
+           f"--junitxml={xml}", "--ignore=tests/kernels/test_kernels_compile.py"]
+    env = dict(os.environ, KERNELS_AUTOTUNE="0")  # correctness on tiny shapes: one tile config each
+    limit = max(10.0, seconds_left - 15)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        rec["note"] = f"stopped at the time budget ({limit:.0f} s)"
+        rec["status_detail"] = "incomplete"
+        return
+    tail = proc.stdout.strip().splitlines()[-1:] or [""]
+    rec["summary"] = tail[0]
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    rec["counts"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [c.get("name") for c in suite.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    rec["failed_tests"] = failed[:30]
+    assert proc.returncode == 0, f"tests/kernels on the device: {tail[0]}; failed: {failed[:10]}"
+
+
 # -------------------------------------------------------------------- driver
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -435,6 +470,10 @@ def main():
                 else:
                     train_step_case(rec, kind, device, dry, seqs=16, seq_len=1024, micro_tokens=4096)
                 s.data["train_step"][kind] = {k: rec.get(k) for k in ("paths", "fused_speedup", "attention")}
+    print("== 4. tests/kernels on CUDA (time permitting)", flush=True)
+    with s.case("tests_kernels_on_device", "extra", min_left_s=0 if dry else 60) as rec:
+        if rec is not None:
+            kernel_tests_case(rec, Path(a.out), dry, s.left())
     s.finish()
     print_table(s.data)
     return 0 if s.data["verdict"] == "PASS" else 1

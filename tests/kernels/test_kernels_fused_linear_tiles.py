@@ -250,7 +250,8 @@ def test_bf16_weight_gradient_is_accumulated_and_returned_in_fp32(rows, monkeypa
     assert all(a.dtype == b.dtype == torch.bfloat16 for a, b in gemms)
     exact = sum(a.double() @ b.double() for a, b in gemms)
     rel = ((dw.double() - exact).abs() / exact.abs().clamp(min=1e-30)).cpu()
-    assert rel.max() < 1e-5, f"max relative error {rel.max():.2e}"
+    # fp32 summation of 512 same-signed terms: ~1e-6; a bf16 rounding: up to 2e-3
+    assert rel.max() < 1e-4, f"max relative error {rel.max():.2e}"
     # and the recorded d/dlogits are the true ones, to bf16 rounding
     z = h.double() @ w.double().t()
     dz = coef.double()[:, None] * (torch.nn.functional.one_hot(targets, v).double() - torch.softmax(z, -1))
