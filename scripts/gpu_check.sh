@@ -38,5 +38,7 @@ else
     "$PYTHON" scripts/gpu_check.py
 fi
 rc=$?
-echo "gpu-check: exit $rc after $(( $(date +%s) - start )) s; summary in $GPU_CHECK_OUT/gpu_check_summary.json"
+summary="$GPU_CHECK_OUT/gpu_check_summary.json"
+[ -f "$summary" ] || summary="none written"
+echo "gpu-check: exit $rc after $(( $(date +%s) - start )) s; summary: $summary"
 exit $rc
