@@ -18,7 +18,7 @@ CLASHING := torchvision torchaudio torchcodec
 
 export BFCL_PROJECT_ROOT ?= $(CURDIR)/.cache/bfcl
 
-.PHONY: install train test bench gpu-check clean
+.PHONY: install train test bench gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -39,10 +39,31 @@ test: install
 bench: install
 	$(BIN)/python -m pytest benchmarks/ --benchmark-only
 
-# On a CUDA machine: install what the kernels need, run tests/kernels on CUDA and
-# the CUDA benchmarks, print one summary table (scripts/gpu_check.sh; < 8 min on an H200).
+# The GPU machine sessions are lent has no network and its own python3
+# (torch, triton, transformers, pytest; no liger-kernel): gpu-check runs with
+# that interpreter plus these pure-Python wheels, fetched here into the
+# git-ignored WHEELS folder (carry it to the GPU machine) and installed there
+# offline. One version of each; `--no-deps`, so list every missing need.
+GPU_WHEELS := liger-kernel==0.8.5
+WHEELS ?= .whl
+GPU_PYTHON ?= python3
+PIP_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64)
+
+gpu-wheels:
+	mkdir -p $(WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(PIP_PLATFORMS) -d $(WHEELS) $(GPU_WHEELS)
+
+# make gpu-check: on the GPU machine (scripts/gpu_check.sh; <= 6 min on an H200).
+# make gpu-check DRY=1: here, the same script through Triton's CPU interpreter at
+# tiny shapes, with the wheels installed by the same offline line (not in `make test`).
+ifeq ($(DRY),1)
+gpu-check: install gpu-wheels
+	PYTHON=$(BIN)/python WHEELS=$(WHEELS) DRY=1 bash scripts/gpu_check.sh
+else
 gpu-check:
-	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+	PYTHON=$(GPU_PYTHON) WHEELS=$(WHEELS) bash scripts/gpu_check.sh
+endif
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .benchmarks

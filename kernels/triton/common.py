@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -15,10 +16,15 @@ def interpreting() -> bool:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must not be silently truncated to tf32: every path promises
-    # fp32 arithmetic. For bf16/fp16 the products are exact in fp32 and the
-    # option is ignored.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``tl.dot`` input precision for tiles of ``dtype``.
+
+    fp32 tiles take "tf32x3": each product is split into three tf32 tensor-core
+    products (hi*hi + hi*lo + lo*hi), which keeps fp32-level accuracy (the
+    promise of every path) at tensor-core speed; "ieee" would run on the FMA
+    units at a fraction of that rate, and plain "tf32" would round the inputs
+    to 10 mantissa bits. For bf16/fp16 the products are exact in fp32 and the
+    option is ignored."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def upcast_for_dot(dtype: torch.dtype) -> bool:
@@ -30,6 +36,70 @@ def upcast_for_dot(dtype: torch.dtype) -> bool:
     the bf16 tiles go to the tensor cores as they are.
     """
     return interpreting() and dtype == torch.bfloat16
+
+
+class Tuner:
+    """Chooses one ``triton.Config`` per key by timing every config of the
+    key's kind on the call's own inputs, once per key (CUDA only).
+
+    Used instead of ``triton.autotune`` where the launch grid and host-side
+    buffers depend on the config (the vocabulary split count of the fused
+    sweep does): ``launch(config)`` performs the whole launch, so the timing
+    covers exactly what production runs. Launchers must only write their
+    outputs (no accumulation), since timing repeats them. ``configs`` maps a
+    kind (e.g. the dtype family) to its own list: tiles that fit the
+    registers of bf16 dots may spill with tf32x3 or an extra entropy sum
+    (tests/kernels/test_kernels_compile.py checks every one).
+
+    Under the interpreter the small ``interp_config`` runs. ``forced`` pins a
+    choice everywhere (tests, gpu-check): a Config, used for the kinds that
+    list it, or an index i, meaning each kind's i-th config (its last if it
+    has fewer). KERNELS_AUTOTUNE=0 takes each kind's first config untimed.
+    """
+
+    def __init__(self, configs: dict, interp_config):
+        self.configs = {kind: list(cfgs) for kind, cfgs in configs.items()}
+        self.interp_config = interp_config
+        self.forced = None
+        self.best: dict = {}
+
+    def forced_choice(self, kind, forced=...):
+        """The config that ``forced`` (default: the tuner's own) pins for ``kind``, or None."""
+        f = self.forced if forced is ... else forced
+        cfgs = self.configs[kind]
+        if isinstance(f, int):
+            return cfgs[min(f, len(cfgs) - 1)]
+        if f is not None and (f is self.interp_config or any(f is c for c in cfgs)):
+            return f
+        return None
+
+    def pick(self, kind, key, launch, device: torch.device):
+        cfg = self.forced_choice(kind)
+        if cfg is not None:
+            return cfg
+        if interpreting():
+            return self.interp_config
+        cfgs = self.configs[kind]
+        cfg = self.best.get((kind, key))
+        if cfg is None:
+            if device.type != "cuda" or len(cfgs) == 1 or os.environ.get("KERNELS_AUTOTUNE", "1") == "0":
+                cfg = cfgs[0]
+            else:
+                from triton.testing import do_bench
+
+                times = [do_bench(lambda c=c: launch(c), warmup=5, rep=25) for c in cfgs]
+                cfg = cfgs[min(range(len(times)), key=times.__getitem__)]
+            self.best[(kind, key)] = cfg
+        return cfg
+
+    def run(self, kind, key, launch, device: torch.device):
+        """Launch with the config chosen for ``key``; returns what ``launch`` returns."""
+        return launch(self.pick(kind, key, launch, device))
+
+
+def size_bucket(n: int) -> int:
+    """log2 bucket of a size: tuned choices are shared within a factor of 2."""
+    return max(int(n), 1).bit_length()
 
 
 def search_iters(num_seqs: int) -> int:

@@ -9,7 +9,8 @@ saved.
 
 Backward: the logits are recomputed tile by tile from the saved lse and
 turned into d/dlogits, written for one chunk of tokens at a time into a
-bounded [chunk, V] buffer, and two cuBLAS GEMMs give dhidden and dweight.
+[chunk, V] buffer sized from free memory (usually one chunk), and two cuBLAS
+GEMMs give dhidden and dweight (fp32 accumulation and fp32 output).
 Why not accumulate dhidden / dweight inside the kernel like flash-attention:
 a program would need a [BLOCK_M, H] (or [BLOCK_V, H]) fp32 accumulator, and
 H = 896..8192 does not fit in registers; splitting H would recompute the
@@ -19,15 +20,14 @@ chunked buffer costs bounded memory and keeps the GEMMs on tensor cores.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision, interpreting, upcast_for_dot
-
-DZ_CHUNK_BYTES = 1 << 30  # d/dlogits buffer per backward chunk (GPU)
+from .common import Tuner, dot_precision, interpreting, size_bucket, upcast_for_dot
 
 
 @triton.jit
@@ -81,7 +81,8 @@ def _partials_kernel(H, stride_h, W, stride_w, BIAS, TARGETS, PM, PS, PZT, PEZ, 
                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """Flattened 1-D grid over (token block, vocab split), token block major.
     Splitting the vocabulary keeps every SM busy when there are few loss
-    tokens (4k tokens are only 64 blocks of 64); the splits are merged by
+    tokens (4k tokens are only 32 blocks of 128); the split count is chosen
+    per tile config (``vocab_splits``) and the splits are merged by
     ``combine_partials``. The [N, V] logits are never written."""
     pid = tl.program_id(0)
     pid_m = pid // n_splits
@@ -134,17 +135,29 @@ def _combine_logprob_kernel(PM, PS, PZT, LOGP, LSE, M, n_splits, BLOCK: tl.const
 
 
 @triton.jit
+def grouped_tile(pid, n_m, n_v, GROUP_M):
+    """(token block, vocab block) of program ``pid`` for the d/dlogits grid.
+
+    Programs walk the vocabulary inside a group of GROUP_M token blocks:
+    consecutive programs take the group's token blocks for one vocab tile,
+    then move to the next tile. The weight (V x H, 272 MB at V = 151,936,
+    H = 896 in bf16, far above a 50-60 MB L2) then streams from HBM once per
+    group instead of once per token block, while the group's hidden rows
+    (sized on the host to a share of L2) stay cached."""
+    per_group = GROUP_M * n_v
+    first_m = (pid // per_group) * GROUP_M
+    size = tl.minimum(n_m - first_m, GROUP_M)
+    local = pid % per_group
+    return first_m + local % size, local // size
+
+
+@triton.jit
 def _dlogits_kernel(H, stride_h, W, stride_w, BIAS, TARGETS, LSE, COEF, DZ, stride_dz, M, V, HDIM,
-                    inv_temp, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    BLOCK_M: tl.constexpr,
-                    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                    inv_temp, GROUP_M, HAS_BIAS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """DZ[r, c] = COEF[r] * (onehot(target)[c] - p[r, c]) / T, recomputing the
-    logits tile from the saved lse. Flattened 1-D grid: token block major, so
-    consecutive programs reuse one hidden tile while streaming the weight."""
-    n_vblocks = tl.cdiv(V, BLOCK_V)
-    pid = tl.program_id(0)
-    pid_m = pid // n_vblocks
-    pid_v = pid % n_vblocks
+    logits tile from the saved lse. Flattened 1-D grid in ``grouped_tile`` order."""
+    pid_m, pid_v = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(V, BLOCK_V), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < M
@@ -173,63 +186,118 @@ def _dlogits_kernel(H, stride_h, W, stride_w, BIAS, TARGETS, LSE, COEF, DZ, stri
     tl.store(DZ + rows64[:, None] * stride_dz + cols64[None, :], dz.to(DZ.dtype.element_ty), mask=ok)
 
 
-# Interpreter runs use small fixed tiles (tl.dot needs >= 16); on a GPU the
-# tile shape is autotuned once per (V, HDIM, dtype).
-INTERP_BLOCKS = dict(BLOCK_M=16, BLOCK_V=32, BLOCK_K=16)
-_GPU_CONFIGS = [
-    triton.Config(dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
-    triton.Config(dict(BLOCK_M=128, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
-    triton.Config(dict(BLOCK_M=128, BLOCK_V=64, BLOCK_K=64), num_warps=4, num_stages=4),
-    triton.Config(dict(BLOCK_M=64, BLOCK_V=256, BLOCK_K=32), num_warps=8, num_stages=3),
-]
+# Tile configs timed per key on a GPU, per kind. Each list holds only tiles
+# that compile without register spills for sm_90 and sm_80 (checked by
+# tests/kernels/test_kernels_compile.py): the entropy sum keeps one more
+# [BLOCK_M, BLOCK_V] tile live, and tf32x3 splits every fp32 operand in two.
+_C = triton.Config
+CONFIGS = {
+    "bf16": [  # bf16 and fp16 tiles
+        _C(dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=128, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=128, BLOCK_V=64, BLOCK_K=64), num_warps=4, num_stages=4),
+        _C(dict(BLOCK_M=64, BLOCK_V=256, BLOCK_K=32), num_warps=8, num_stages=3),
+    ],
+    "bf16_entropy": [
+        _C(dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=64), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=128, BLOCK_V=64, BLOCK_K=64), num_warps=8, num_stages=4),
+    ],
+    "fp32": [
+        _C(dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=32), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=128, BLOCK_V=64, BLOCK_K=32), num_warps=8, num_stages=3),
+        _C(dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32), num_warps=4, num_stages=3),
+    ],
+}
+GPU_CONFIGS = [c for cfgs in CONFIGS.values() for c in cfgs]
+# The interpreter runs small tiles (tl.dot needs >= 16) unless a config is forced.
+INTERP_CONFIG = _C(dict(BLOCK_M=16, BLOCK_V=32, BLOCK_K=16), num_warps=4, num_stages=1)
+partials_tuner = Tuner(CONFIGS, INTERP_CONFIG)
+dlogits_tuner = Tuner({k: v for k, v in CONFIGS.items() if k != "bf16_entropy"}, INTERP_CONFIG)
 
 
-def tuned(kernel):
-    """The kernel itself under the interpreter, else an autotuned wrapper.
-    Every tuned kernel only writes its outputs (no atomics, no accumulation),
-    so the autotuner's repeated launches are harmless. KERNELS_AUTOTUNE=0
-    pins the first config: correctness tests on many tiny shapes then compile
-    one variant per shape instead of four."""
-    if interpreting():
-        return kernel
-    configs = _GPU_CONFIGS if os.environ.get("KERNELS_AUTOTUNE", "1") != "0" else _GPU_CONFIGS[:1]
-    return triton.autotune(configs=configs, key=["V", "HDIM", "PREC", "HAS_BIAS", "UPCAST"])(kernel)
+def tile_kind(dtype: torch.dtype, want_entropy: bool = False) -> str:
+    """Which config list serves tiles of ``dtype``."""
+    if dtype == torch.float32:
+        return "fp32"
+    return "bf16_entropy" if want_entropy else "bf16"
 
 
-def launch(kernel, grid_of_blocks, *args, **kwargs):
-    """Launch ``kernel`` (from ``tuned``) with a grid computed from its tile sizes."""
-    if interpreting():
-        kernel[grid_of_blocks(INTERP_BLOCKS)](*args, **kwargs, **INTERP_BLOCKS)
-    else:
-        kernel[grid_of_blocks](*args, **kwargs)
+def config_for(dtype: torch.dtype, want_entropy: bool, forced):
+    """The forward config a launch of this kind runs with under ``forced_config(forced)``
+    (the interpreter's when ``forced`` pins nothing for it)."""
+    return partials_tuner.forced_choice(tile_kind(dtype, want_entropy), forced) or INTERP_CONFIG
 
 
-_partials = tuned(_partials_kernel)
-_dlogits = tuned(_dlogits_kernel)
+# The interpreter pretends to have 2 SMs, so that small test problems already
+# take several vocabulary splits of several tiles each.
+INTERP_SMS = 2
+# Share of L2 for the hidden rows of one d/dlogits token group (see grouped_tile).
+L2_SHARE_FOR_HIDDEN = 0.4
+# Interpreter: pretend L2 holds 64 hidden rows of 64 fp32 values (several
+# ragged groups in the tests).
+INTERP_L2_BYTES = 64 * 64 * 4 / L2_SHARE_FOR_HIDDEN
+
+
+@contextlib.contextmanager
+def forced_config(cfg):
+    """Run the fused-linear launches inside the block with ``cfg``: a Config
+    (for the kinds that list it; INTERP_CONFIG for all) or an index i (each
+    kind's i-th config). For tests and gpu-check."""
+    saved = partials_tuner.forced, dlogits_tuner.forced
+    partials_tuner.forced = dlogits_tuner.forced = cfg
+    try:
+        yield
+    finally:
+        partials_tuner.forced, dlogits_tuner.forced = saved
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; off a GPU (interpreter, or
+    ahead-of-time tracing of launches) a planning value."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERP_SMS if interpreting() else 132  # an H200
 
 
 def as_compute_pair(hidden, weight):
-    """tl.dot needs one dtype; mixed inputs are promoted to fp32."""
-    if hidden.dtype != weight.dtype:
-        return hidden.float(), weight.float()
-    return hidden, weight
+    """One dtype for ``tl.dot``. When one operand is fp32 and the other bf16
+    or fp16 (fp32 master lm_head weight with autocast hidden states), the fp32
+    one is rounded down: the tile products stay on the bf16/fp16 tensor cores
+    and the hidden states are never copied up to fp32. Two different
+    low-precision dtypes compute in the hidden states' dtype."""
+    if hidden.dtype == weight.dtype:
+        return hidden, weight
+    if hidden.dtype == torch.float32:
+        return hidden.to(weight.dtype), weight
+    return hidden, weight.to(hidden.dtype)
 
 
-def vocab_splits(m: int, v: int, device: torch.device) -> tuple[int, int]:
-    """(number of vocab splits, split length) so that the grid covers the GPU:
-    about four programs per SM for the smallest token tile. Split lengths are
-    multiples of every BLOCK_V in use, so only the last split is ragged.
-    The interpreter uses up to 3 splits, so tests exercise the merge."""
-    if interpreting():
-        gran, splits = INTERP_BLOCKS["BLOCK_V"], 3
-    else:
-        gran = max(c.kwargs["BLOCK_V"] for c in _GPU_CONFIGS)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        m_blocks = triton.cdiv(m, min(c.kwargs["BLOCK_M"] for c in _GPU_CONFIGS))
-        splits = triton.cdiv(4 * sms, max(m_blocks, 1))
-    splits = max(1, min(splits, triton.cdiv(v, gran)))
-    split_len = triton.cdiv(triton.cdiv(v, splits), gran) * gran
-    return triton.cdiv(v, split_len), split_len
+@functools.lru_cache(maxsize=4096)
+def vocab_splits(m: int, v: int, block_m: int, block_v: int, sms: int) -> tuple[int, int]:
+    """(number of vocab splits, split length) for the forward sweep of one
+    tile config: the split count whose program count fills whole waves best.
+
+    A wave is 2 * sms programs, so whole waves stay whole whether one or two
+    programs fit on an SM. Efficiency counts work in vocab tiles: the grid of
+    n_m token blocks x s splits of t tiles runs in ceil(programs / wave)
+    waves of t tiles, while the useful work is n_m x (all tiles); a ragged
+    last split and a part-filled last wave both cost. Among near-equal
+    choices the fewest splits win (fewer partials to merge). Split lengths
+    are whole tiles, so only the last split is ragged."""
+    n_m = triton.cdiv(m, block_m)
+    tiles = triton.cdiv(v, block_v)
+    wave = 2 * sms
+    scored = []
+    for s in range(1, tiles + 1):
+        t = triton.cdiv(tiles, s)
+        splits = triton.cdiv(tiles, t)
+        if scored and splits == scored[-1][1]:
+            continue
+        waves = triton.cdiv(n_m * splits, wave)
+        scored.append((n_m * tiles / (waves * wave * t), splits, t))
+    best = max(e for e, _, _ in scored)
+    splits, t = min((sp, t) for e, sp, t in scored if e >= best - 1e-3)
+    return splits, t * block_v
 
 
 def forward_partials(h, w, bias, targets, inv_temp, want_entropy):
@@ -237,15 +305,22 @@ def forward_partials(h, w, bias, targets, inv_temp, want_entropy):
     Returns (partials (pm, ps, pzt, pez) each [splits, M] fp32, n_splits)."""
     m, hdim = h.shape
     v = w.shape[0]
-    n_splits, split_len = vocab_splits(m, v, h.device)
-    part = torch.empty(4 if want_entropy else 3, n_splits, m, dtype=torch.float32, device=h.device)
-    pm, ps, pzt = part[0], part[1], part[2]
-    pez = part[3] if want_entropy else pm
-    launch(_partials, lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * n_splits,),
-           h, h.stride(0), w, w.stride(0), bias if bias is not None else h, targets, pm, ps, pzt, pez,
-           m, v, hdim, n_splits, split_len, inv_temp, HAS_BIAS=bias is not None, WANT_ENT=want_entropy,
-           PREC=dot_precision(h.dtype), UPCAST=upcast_for_dot(h.dtype))
-    return (pm, ps, pzt, pez), n_splits
+    sms = sm_count(h.device)
+
+    def launch(cfg):
+        bm = cfg.kwargs["BLOCK_M"]
+        n_splits, split_len = vocab_splits(m, v, bm, cfg.kwargs["BLOCK_V"], sms)
+        part = torch.empty(4 if want_entropy else 3, n_splits, m, dtype=torch.float32, device=h.device)
+        pm, ps, pzt = part[0], part[1], part[2]
+        pez = part[3] if want_entropy else pm
+        _partials_kernel[(triton.cdiv(m, bm) * n_splits,)](
+            h, h.stride(0), w, w.stride(0), bias if bias is not None else h, targets, pm, ps, pzt, pez,
+            m, v, hdim, n_splits, split_len, inv_temp, HAS_BIAS=bias is not None, WANT_ENT=want_entropy,
+            PREC=dot_precision(h.dtype), UPCAST=upcast_for_dot(h.dtype), **cfg.all_kwargs())
+        return (pm, ps, pzt, pez), n_splits
+
+    key = (v, hdim, size_bucket(m), h.dtype, bias is not None, bool(want_entropy))
+    return partials_tuner.run(tile_kind(h.dtype, want_entropy), key, launch, h.device)
 
 
 def linear_logprobs_forward(h, w, bias, targets, inv_temp):
@@ -260,39 +335,104 @@ def linear_logprobs_forward(h, w, bias, targets, inv_temp):
     return logp, lse
 
 
+def dz_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """d/dlogits storage dtype. fp16 would flush the typical entries to zero:
+    coef * p / T is ~1e-9 at V = 151,936 with per-token loss weights ~1e-4,
+    below fp16's smallest subnormal (6e-8). fp16 inputs therefore keep dz in
+    fp32 (bf16 has the range but, with 8 bits, costs fp16 inputs accuracy
+    they had), and their two backward GEMMs run in fp32; fp16 training is
+    rare enough that its speed matters less than its gradients. fp32 and
+    bf16 inputs keep their own dtype."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def dz_chunk_rows(m: int, v: int, dz_bytes: int, device: torch.device, reserve_bytes: int = 0) -> int:
+    """Rows of the [rows, V] d/dlogits buffer per backward chunk.
+
+    On a GPU, half of the memory that is free (to the driver plus what the
+    caching allocator holds unused), less ``reserve_bytes`` for the other
+    outputs of the backward; one chunk covers all rows whenever that fits,
+    which takes the single-chunk fast path. The interpreter uses 64 MiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = max(free - reserve_bytes, 0) // 2
+    else:
+        budget = 64 << 20
+    return max(1, min(m, max(256, budget // (v * dz_bytes))))
+
+
+def dlogits_group_m(block_m: int, row_bytes: int, device: torch.device) -> int:
+    """Token blocks per d/dlogits group: their hidden rows fill a share of L2."""
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 << 20
+    else:
+        l2 = INTERP_L2_BYTES if interpreting() else 50 << 20
+    return max(1, int(l2 * L2_SHARE_FOR_HIDDEN) // (block_m * row_bytes))
+
+
+def _mm_fp32(a, b):
+    """a @ b with an fp32 result and fp32 accumulation, never rounded to
+    a's dtype on the way: cuBLAS writes fp32 directly for bf16/fp16 inputs
+    (``out_dtype``, torch >= 2.8, CUDA); elsewhere the inputs are widened
+    (exact for bf16/fp16)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda and hasattr(torch.ops.aten.mm, "dtype"):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
 def linear_logprobs_backward(h, w, bias, targets, lse, coef, inv_temp, need_h, need_w, need_b):
     """Gradients of sum_r coef[r] * logp[r] w.r.t. h [M, H], w [V, H], bias [V].
 
     Returns (dh in h.dtype or None, dw fp32 or None, db fp32 or None)."""
     m, hdim = h.shape
     v = w.shape[0]
+    dev = h.device
     dh = torch.empty_like(h) if need_h else None
-    dw = torch.zeros(v, hdim, dtype=torch.float32, device=h.device) if need_w else None
-    db = torch.zeros(v, dtype=torch.float32, device=h.device) if need_b else None
     if m == 0 or not (need_h or need_w or need_b):
+        dw = torch.zeros(v, hdim, dtype=torch.float32, device=dev) if need_w else None
+        db = torch.zeros(v, dtype=torch.float32, device=dev) if need_b else None
         return dh, dw, db
-    rows = max(128, DZ_CHUNK_BYTES // (v * h.element_size()))
-    rows = min(m, rows)
-    dz_buf = torch.empty(rows, v, dtype=h.dtype, device=h.device)
+    dz_dtype = dz_dtype_for(h.dtype)
+    # the cuBLAS GEMMs take one dtype: fp16 operands meet an fp32 dz as fp32
+    w_gemm = w if w.dtype == dz_dtype else w.to(dz_dtype)
+    dz_bytes = torch.empty((), dtype=dz_dtype).element_size()
+    rows = dz_chunk_rows(m, v, dz_bytes, dev, reserve_bytes=2 * v * hdim * 4 if need_w else 0)
+    dz_buf = torch.empty(rows, v, dtype=dz_dtype, device=dev)
     prec = dot_precision(h.dtype)
+    dw = db = None
     for a in range(0, m, rows):
         b = min(a + rows, m)
-        dz = dz_buf[: b - a]
-        hc = h[a:b]
         n = b - a
-        launch(_dlogits, lambda meta: (triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(v, meta["BLOCK_V"]),),
-               hc, hc.stride(0), w, w.stride(0), bias if bias is not None else hc, targets[a:b], lse[a:b],
-               coef[a:b], dz, dz.stride(0), n, v, hdim, inv_temp, HAS_BIAS=bias is not None, PREC=prec,
-               UPCAST=upcast_for_dot(h.dtype))
+        dz = dz_buf[:n]
+        hc = h[a:b]
+
+        def launch(cfg, hc=hc, dz=dz, a=a, b=b, n=n):
+            bm, bv = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_V"]
+            group_m = dlogits_group_m(bm, hdim * h.element_size(), dev)
+            _dlogits_kernel[(triton.cdiv(n, bm) * triton.cdiv(v, bv),)](
+                hc, hc.stride(0), w, w.stride(0), bias if bias is not None else hc, targets[a:b], lse[a:b],
+                coef[a:b], dz, dz.stride(0), n, v, hdim, inv_temp, group_m, HAS_BIAS=bias is not None,
+                PREC=prec, UPCAST=upcast_for_dot(h.dtype), **cfg.all_kwargs())
+
+        dlogits_tuner.run(tile_kind(h.dtype), (v, hdim, size_bucket(n), h.dtype, bias is not None), launch, dev)
         if need_h:
-            torch.mm(dz, w, out=dh[a:b])
+            if dz_dtype == h.dtype:
+                torch.mm(dz, w_gemm, out=dh[a:b])
+            else:
+                dh[a:b] = _mm_fp32(dz, w_gemm)
         if need_w:
-            if dz.dtype == torch.float32:
-                dw.addmm_(dz.t(), hc)
-            else:  # low-precision GEMM (fp32 accumulate), summed across chunks in fp32
-                dw += torch.mm(dz.t(), hc).float()
+            hc_gemm = hc if hc.dtype == dz_dtype else hc.to(dz_dtype)
+            part = _mm_fp32(dz.t(), hc_gemm)  # fp32 all the way: no bf16 round trip per chunk
+            if dw is None:
+                dw = part  # one chunk (the usual case): no zeros, no extra add
+            else:
+                dw += part
         if need_b:
-            db += dz.float().sum(0)
+            part = dz.float().sum(0)
+            db = part if db is None else db.add_(part)
     return dh, dw, db
 
 

@@ -13,3 +13,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The compile test's resource table, once, after the results."""
+    from kernels_testlib import COMPILE_TABLE
+
+    text = config.stash.get(COMPILE_TABLE, None)
+    if text:
+        terminalreporter.write_line(text)

@@ -10,6 +10,9 @@ IMPLS = ("reference", "chunked", "triton")
 FAST_IMPLS = ("chunked", "triton")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# test_kernels_compile's resource table, for the terminal summary (conftest.py)
+COMPILE_TABLE = pytest.StashKey[str]()
+
 # Ragged: an empty sequence, a one-token sequence, and long/short ones.
 SEQLENS = (5, 0, 12, 1, 13, 9)
 
