@@ -245,6 +245,9 @@ def sh(cmd: list[str], log: Path, retries: int = 2) -> None:
                 sys.stdout.write(line)
     if proc.wait() < 0 and retries > 0:
         print(f"killed by signal {-proc.returncode}: starting again", flush=True)
+        if "rcgrpo.train" in cmd and "--resume" not in cmd:
+            # The killed run's folder exists now: continue it rather than start a second one.
+            cmd = [*cmd, "--resume"]
         return sh(cmd, log, retries - 1)
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[2]} failed (exit {proc.returncode}); its log: {log}")
