@@ -5,7 +5,8 @@ training step would (its chat template and tokenisation, its HF generation,
 masks, group advantages, old log-probs and the reference's log-probs). On that
 batch, TRL's own `GRPOTrainer._compute_loss` is the oracle: the drop-in's loss
 and its gradients must equal it for grpo / bnpo / dr_grpo / dapo, beta 0 and
-beta > 0, with gradient accumulation 2 (TRL's normalisers divide by it).
+beta > 0, with gradient accumulation 2 (TRL's normalisers divide by it),
+with rows shortened or emptied, and with vLLM importance-sampling weights.
 
 Tolerances (fp32; the two sum the same terms in different orders, the
 kernel's log-softmax is chunked): loss |diff| <= 1e-5 |loss| + 1e-7;
@@ -146,6 +147,27 @@ def test_shorter_and_empty_completions(prepared, loss_type):
     mask[:, -3:] = 0
     masked["completion_mask"] = mask
     _compare(trainer, masked, loss_type, BETA)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beta", [0.0, BETA])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_vllm_importance_sampling_weights(prepared, loss_type, beta):
+    """TRL's truncated importance sampling of vLLM rollouts weights the
+    clipped term of each token, not its KL: the drop-in passes the weights as
+    token_weights and, with beta > 0, adds the KL as a second fused call.
+    The per-token ratios here are planted (this trainer generated with HF);
+    TRL's own loss reads them the same way."""
+    trainer, inputs = prepared
+    weighted = dict(inputs)
+    gen = torch.Generator().manual_seed(2)
+    weighted["importance_sampling_ratio"] = 0.5 + torch.rand(inputs["completion_mask"].shape, generator=gen)
+    saved = trainer.use_vllm, trainer.vllm_importance_sampling_correction
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    try:
+        _compare(trainer, weighted, loss_type, beta)
+    finally:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = saved
 
 
 def test_unsupported_settings_are_refused(prepared):
