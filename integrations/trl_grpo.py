@@ -99,15 +99,14 @@ class KernelGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         if inputs["advantages"].dim() != 1 or inputs.get("pixel_values") is not None:
             raise ValueError("KernelGRPOTrainer takes text-only batches with one advantage per completion")
-        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        completion_ids = inputs["completion_ids"]
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         batch, width = completion_ids.shape
 
-        hidden = self._completion_hidden_states(model, inputs)  # [B*T, H]
-        lm = self.accelerator.unwrap_model(model)
-        lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+        lm = self._causal_lm(model)
+        hidden = self._completion_hidden_states(lm, inputs)  # [B*T, H]
         head = lm.get_output_embeddings()
 
         loss_mask = mask.bool().reshape(-1)
@@ -121,8 +120,9 @@ class KernelGRPOTrainer(GRPOTrainer):
                       loss_type=self.loss_type, bias=head.bias,
                       max_tokens=float(self.max_completion_length) if self.loss_type == "dr_grpo" else None)
         ref_flat = None if ref is None else ref.reshape(-1)
-        is_ratio = inputs.get("importance_sampling_ratio") if self.use_vllm and \
-            self.vllm_importance_sampling_correction else None
+        is_ratio = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            is_ratio = inputs.get("importance_sampling_ratio")
         advantages = inputs["advantages"].float()
         if is_ratio is None:
             loss, stats = kernels.fused_linear_grpo_loss(
@@ -157,16 +157,18 @@ class KernelGRPOTrainer(GRPOTrainer):
                 metrics[name].append(self.accelerator.gather(stats[key].reshape(1)).mean().item())
         return loss
 
-    def _completion_hidden_states(self, model, inputs) -> torch.Tensor:
+    def _causal_lm(self, model):
+        """The causal LM under accelerate's and PEFT's wrappers (a PEFT
+        model's adapters live inside it, so its backbone still runs them)."""
+        lm = self.accelerator.unwrap_model(model)
+        return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+    def _completion_hidden_states(self, lm, inputs) -> torch.Tensor:
         """[B*T, H] the decoder's last hidden states at the positions that
         predict each completion token (prompt position P-1 up to P+T-2)."""
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        lm = self.accelerator.unwrap_model(model)
-        # PEFT: the adapters live inside the wrapped model; its `base_model`
-        # chain ends at the causal LM whose backbone we run.
-        lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
         kwargs = {}
         if inputs.get("token_type_ids") is not None:
             kwargs["token_type_ids"] = inputs["token_type_ids"]
