@@ -1,4 +1,4 @@
-"""``import kernels`` stands alone: no rcgrpo, no GPU, no Triton until used,
+"""``import kernels`` stands alone: no rcgrpo, no trl or transformers, no GPU, no Triton until used,
 and it is never mistaken for the Hugging Face ``kernels`` hub package."""
 
 import json
@@ -25,9 +25,12 @@ def test_import_without_rcgrpo_or_gpu():
         "import kernels\n"
         "lp = kernels.token_logprobs(torch.zeros(2, 5), torch.tensor([0, 4]))\n"
         "print(json.dumps({'rcgrpo': 'rcgrpo' in sys.modules, 'triton': 'triton' in sys.modules,\n"
+        "  'trl': 'trl' in sys.modules, 'transformers': 'transformers' in sys.modules,\n"
         "  'cuda': torch.cuda.is_initialized(), 'api': sorted(kernels.__all__), 'lp': lp.tolist()}))\n"
     )
     assert not res["rcgrpo"]
+    # Other GRPO code (integrations/trl_grpo.py in TRL) imports kernels, never the reverse.
+    assert not res["trl"] and not res["transformers"]
     assert not res["triton"]  # Triton is imported only when the Triton path runs
     assert not res["cuda"]
     assert {"token_logprobs", "fused_linear_logprobs", "group_advantages", "grpo_loss",
