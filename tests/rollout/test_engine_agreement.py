@@ -10,15 +10,20 @@ from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.training.grpo import Agreement, to_trajectories
 from rcgrpo.training.losses import current_logprobs
 
-# Measured on the 2-core CPU machine (2026-12-01, 4 rollouts x 32 tokens of a
-# short base entry): mean |logp_engine - logp_trainer| 4.5e-05 nats, no token
-# over 0.1. Both sides run the same fp32 weights; what differs is the kernels
-# (vLLM's CPU attention and fused ops vs transformers' SDPA over a packed
-# block mask) and the summation order over a ~2k-token context, so the
-# difference is rounding. The bound leaves 20x headroom over that and still
-# fails on any real mismatch: a wrong temperature (T = 0.7 vs 1) moves the
-# mean by ~0.3 nats, a token misaligned by one position by several nats.
-MEAN_ABS_BOUND = 1e-3
+# Measured on the 2-core CPU machine (2026-12-01): this test's 4 rollouts
+# (631 sampled tokens of a short base entry) gave a mean |logp_engine -
+# logp_trainer| of 9.4e-06 nats, no token over 0.1, per-sequence log-ratios
+# within 1.3e-03; the RL steps of the mechanism study's sft+grpo-ds arm (135M,
+# vLLM fp32, ~300-500 sampled tokens a step) logged 1.1-1.3e-06. Both sides
+# run the same fp32 weights; what differs is the kernels (vLLM's CPU attention
+# and fused ops vs transformers' SDPA over a packed block mask) and the
+# summation order over a ~2k-token context, so the difference is rounding.
+# The bounds leave ~10x headroom over the measurement (other CPUs take other
+# vector paths) and still fail on any real mismatch: the same tokens scored at
+# temperature 0.7 instead of 1 differ by far more (checked below), and a token
+# misaligned by one position by nats.
+MEAN_ABS_BOUND = 1e-4
+SEQ_ABS_BOUND = 1e-2
 
 
 def test_vllm_and_trainer_logprobs_agree_in_fp32(policy, vllm_engine, tokenizer, entries):
@@ -48,7 +53,7 @@ def test_vllm_and_trainer_logprobs_agree_in_fp32(policy, vllm_engine, tokenizer,
     assert batch.num_loss_tokens >= 32
     assert stats["logp_diff_abs_mean"] < MEAN_ABS_BOUND
     assert stats["logp_diff_over_0.1_frac"] == 0.0
-    assert abs(stats["seq_log_ratio_mean"]) <= stats["seq_log_ratio_abs_max"] < 0.05
+    assert abs(stats["seq_log_ratio_mean"]) <= stats["seq_log_ratio_abs_max"] < SEQ_ABS_BOUND
     wrong = Agreement()
     wrong.add(batch, hot)
     assert wrong.summary(tis=False)["logp_diff_abs_mean"] > 100 * MEAN_ABS_BOUND
