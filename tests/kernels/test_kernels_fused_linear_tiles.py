@@ -14,7 +14,7 @@ import torch
 import kernels
 from kernels_testlib import DEVICE, assert_close, leaf, old_ref_for, packed_problem, triton_ready
 
-flp = pytest.importorskip("kernels.triton.fused_linear_logprob")
+import kernels.triton.fused_linear_logprob as flp  # noqa: E402 (after TRITON_INTERPRET is set by conftest)
 
 # the interpreter's tiles, then "the i-th config of each kind" for every i
 FORCED = [flp.INTERP_CONFIG] + list(range(max(len(c) for c in flp.CONFIGS.values())))
