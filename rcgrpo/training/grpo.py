@@ -308,6 +308,8 @@ def mini_batch_split(batch: PackedBatch | None, parts: int, seed: int) -> list[P
     a part left without a group)."""
     if batch is None:
         return [None] * parts
+    if parts == 1:
+        return [batch]  # the whole batch as packed: the on-policy update sees it unchanged
     groups = sorted(set(batch.seq_group.tolist()))
     random.Random(seed).shuffle(groups)
     seq_group = batch.seq_group.tolist()
@@ -346,6 +348,8 @@ def rl_step(ctx: RunContext, policy: TrainablePolicy, optimizer, scheduler, traj
         for part in parts:
             stats = accumulate_gradients(ctx, policy, part, settings, update.tis_cap,
                                          agreement if update.on_policy else None)
+            if not stats["loss_tokens"]:
+                continue  # a mini-batch left without groups on every rank: no step to take
             norms.append(clip_and_step(policy, optimizer, scheduler, update.max_grad_norm))
             for key in ("loss", "clip_frac", "kl", "entropy"):
                 if key in stats:
