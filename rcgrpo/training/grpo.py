@@ -489,7 +489,8 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
                     rollouts, ds_counts = dynamic_sampling(
                         lambda idx, draw: play(idx, draw, live), played, rollouts, len(entries), batch_size,
                         g.dynamic_sampling_max_draws, seed=ctx.cfg.data.seed * 1_000_003 + step)
-            rollouts = [r for r in rollouts if lo <= r.group < hi] if not g.dynamic_sampling else rollouts
+            # Dynamic sampling is single-process: its renumbered groups all lie in [lo, hi).
+            rollouts = [r for r in rollouts if lo <= r.group < hi]
             t1 = time.perf_counter()
             policy.train_mode()
             stats = rl_step(ctx, policy, optimizer, scheduler, to_trajectories(rollouts), settings, update, step)
