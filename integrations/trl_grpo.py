@@ -118,7 +118,8 @@ class KernelGRPOTrainer(GRPOTrainer):
                       old_logp=None if old is None else old.reshape(-1),
                       eps_low=self.epsilon_low, eps_high=self.epsilon_high, temperature=self.temperature,
                       loss_type=self.loss_type, bias=head.bias,
-                      max_tokens=float(self.max_completion_length) if self.loss_type == "dr_grpo" else None)
+                      max_tokens=(float(self.max_completion_length)
+                                  if kernels.get_loss_type(self.loss_type).scaled_by_max_tokens else None))
         ref_flat = None if ref is None else ref.reshape(-1)
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:

@@ -15,7 +15,8 @@ from .dispatch import (
     grpo_loss,
     token_logprobs,
 )
-from .packing import LOSS_TYPES, next_token_targets
+from .loss_types import LOSS_TYPES, LossType, get_loss_type, register_loss_type
+from .packing import next_token_targets
 
 __all__ = [
     "token_logprobs",
@@ -25,4 +26,7 @@ __all__ = [
     "fused_linear_grpo_loss",
     "next_token_targets",
     "LOSS_TYPES",
+    "LossType",
+    "get_loss_type",
+    "register_loss_type",
 ]

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from . import packing
+from . import loss_types, packing
 
 CHUNK_ROWS = 256  # rows per chunk; see module docstring
 CHUNK_BYTES = 256 << 20  # cap on the fp32 chunk buffer for very large vocabularies
@@ -246,7 +246,7 @@ def _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens, 
     pos = packing.loss_positions(loss_mask)
     seq = packing.sequence_ids(pos, cu_seqlens)
     counts = packing.loss_token_counts(loss_mask.reshape(-1).bool(), cu_seqlens)
-    w = packing.sequence_loss_weights(counts, loss_type, max_tokens)[seq]
+    w = loss_types.sequence_weights(counts, loss_type, max_tokens)[seq]
     tw = packing.gather_per_token(token_weights, pos, n)
     if tw is not None:
         w = w * tw.detach()
@@ -291,7 +291,7 @@ class _GrpoLoss(torch.autograd.Function):
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low=0.2, eps_high=0.2,
               beta=0.0, loss_type="grpo", *, max_tokens=None, token_weights=None):
-    packing.check_loss_type(loss_type)
+    loss_types.get_loss_type(loss_type)
     loss, *vals = _GrpoLoss.apply(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens,
                                   float(eps_low), float(eps_high), float(beta), loss_type, max_tokens,
                                   token_weights)
@@ -395,7 +395,7 @@ def fused_linear_grpo_loss(hidden, weight, targets, advantages, loss_mask, cu_se
                            ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, temperature=1.0,
                            loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False,
                            chunk_rows=None, token_weights=None):
-    packing.check_loss_type(loss_type)
+    loss_types.get_loss_type(loss_type)
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     loss, *vals = _FusedLinearGrpoLoss.apply(

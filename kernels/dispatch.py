@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import chunked, packing, reference
+from . import chunked, loss_types, reference
 
 IMPLS = ("reference", "chunked", "triton")
 
@@ -64,7 +64,7 @@ def _check_packed(n: int, loss_mask, cu_seqlens, advantages) -> None:
 
 
 def _check_grpo_args(beta, ref_logp, loss_type, eps_low, eps_high) -> None:
-    packing.check_loss_type(loss_type)
+    loss_types.get_loss_type(loss_type)
     if beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp")
     if eps_low < 0 or eps_high < 0:
@@ -203,7 +203,8 @@ def grpo_loss(
     (``c * l``; the reduction's counts do not change): the hook for truncated
     importance sampling, ``c = min(exp(old_logp - sampler_logp), cap)``.
 
-    Reductions (``loss_type``):
+    Reductions (``loss_type``, a name in ``kernels.LOSS_TYPES``; each is
+    defined once in ``kernels/loss_types.py``, where new ones are registered):
         grpo: mean over the loss tokens of each sequence, then mean over the
             sequences that have at least one loss token;
         bnpo, dapo: sum over loss tokens / number of loss tokens (the two are
@@ -224,7 +225,7 @@ def grpo_loss(
         cu_seqlens: [S+1] int32/int64.
         eps_low, eps_high: clip range of the ratio.
         beta: weight of the k3 KL penalty.
-        loss_type: "grpo" | "bnpo" | "dapo" | "dr_grpo".
+        loss_type: a name in ``kernels.LOSS_TYPES`` ("grpo", "bnpo", "dapo", "dr_grpo").
         max_tokens: dr_grpo's constant (see above).
         token_weights: None or [N] fp32 per-token loss weights (a constant: no
             gradient flows to it; values off the loss tokens are ignored).

@@ -14,14 +14,6 @@ from typing import Optional
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-
-
-def check_loss_type(loss_type: str) -> None:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-
-
 def next_token_targets(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,40 +62,6 @@ def loss_token_counts(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torc
     torch.cumsum(loss_mask.long(), 0, out=csum[1:])
     cu = cu_seqlens.long()
     return csum[cu[1:]] - csum[cu[:-1]]
-
-
-def sequence_loss_weights(
-    counts: torch.Tensor, loss_type: str, max_tokens: Optional[float] = None
-) -> torch.Tensor:
-    """[S] fp32 weight of one loss token of each sequence in the reduced loss.
-
-    Every reduction is ``loss = sum_i w[seq(i)] * l_i`` over loss tokens, so
-    the kernels only need this vector (and it gives the gradient directly):
-
-    - grpo: ``1 / (count_s * S_eff)``, S_eff = sequences with >= 1 loss token
-      (sequences without loss tokens are left out of the mean);
-    - bnpo, dapo: ``1 / total loss tokens`` (identical on one process);
-    - dr_grpo: ``1 / (S * max_tokens)``, S counting every sequence and
-      ``max_tokens`` defaulting to the largest per-sequence count.
-
-    Kept as tensors so that no host synchronisation is needed.
-    """
-    check_loss_type(loss_type)
-    c = counts.to(torch.float32)
-    num_seqs = counts.numel()
-    if loss_type == "grpo":
-        has = counts > 0
-        s_eff = has.sum().clamp(min=1).to(torch.float32)
-        return torch.where(has, 1.0 / (c.clamp(min=1.0) * s_eff), torch.zeros_like(c))
-    if loss_type in ("bnpo", "dapo"):
-        total = c.sum().clamp(min=1.0)
-        return (1.0 / total).expand(num_seqs).contiguous()
-    # dr_grpo
-    if max_tokens is None:
-        denom = c.max().clamp(min=1.0) if num_seqs > 0 else c.new_tensor(1.0)
-    else:
-        denom = c.new_tensor(float(max_tokens))
-    return (1.0 / (denom * max(num_seqs, 1))).expand(num_seqs).contiguous()
 
 
 def loss_positions(loss_mask: torch.Tensor) -> torch.Tensor:

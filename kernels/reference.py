@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+from .loss_types import get_loss_type
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -104,8 +104,7 @@ def grpo_loss(
     the fused-linear reference passes it when asked. ``token_weights`` [N]
     multiplies each token's whole loss (clipped term and KL) before the
     reduction; it is a constant (no gradient)."""
-    if loss_type not in _LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {_LOSS_TYPES}, got {loss_type!r}")
+    reduction = get_loss_type(loss_type)
     if beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp")
     logp = logp.float()
@@ -130,21 +129,20 @@ def grpo_loss(
     per_tok = torch.where(mask, per_tok, torch.zeros_like(per_tok))
     n_tok = mask.sum()
 
-    if loss_type == "grpo":
-        seq_means = []
-        for s in range(num_seqs):
-            a, b = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
-            cnt = mask[a:b].sum()
-            if cnt > 0:
-                seq_means.append(per_tok[a:b].sum() / cnt)
-        loss = torch.stack(seq_means).mean() if seq_means else per_tok.sum() * 0.0
-    elif loss_type in ("bnpo", "dapo"):
-        loss = per_tok.sum() / n_tok.clamp(min=1)
-    else:  # dr_grpo
+    # The reduction from the loss type's definition, sequence by sequence
+    # (the fast paths use its per-sequence weight vector instead).
+    bounds = [(int(cu_seqlens[s]), int(cu_seqlens[s + 1])) for s in range(num_seqs)]
+    counts = torch.tensor([int(mask[a:b].sum()) for a, b in bounds], dtype=torch.long, device=logp.device)
+    if reduction.mean_within_sequence:
+        terms = [per_tok[a:b].sum() / counts[s] for s, (a, b) in enumerate(bounds) if counts[s] > 0]
+    else:
+        terms = [per_tok.sum()]
+    denominator = max(int(reduction.count(counts)), 1)
+    if reduction.scaled_by_max_tokens:
         if max_tokens is None:
-            counts = [int(mask[int(cu_seqlens[s]) : int(cu_seqlens[s + 1])].sum()) for s in range(num_seqs)]
-            max_tokens = max(max(counts, default=1), 1)
-        loss = per_tok.sum() / (max(num_seqs, 1) * float(max_tokens))
+            max_tokens = max(int(counts.max()) if num_seqs else 1, 1)
+        denominator = denominator * float(max_tokens)
+    loss = torch.stack(terms).sum() / denominator if terms else per_tok.sum() * 0.0
 
     denom = n_tok.clamp(min=1).float()
     with torch.no_grad():

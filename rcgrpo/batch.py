@@ -47,6 +47,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from kernels.loss_types import get_loss_type
+from kernels.packing import loss_token_counts
+
 __all__ = [
     "Trajectory",
     "PackedBatch",
@@ -342,25 +345,17 @@ def informative_sequences(batch: PackedBatch) -> torch.Tensor:
 
 
 def loss_normaliser(batch: PackedBatch, loss_type: str, informative_only: bool = False) -> int:
-    """The count a ``kernels`` loss_type divides by: sequences with loss tokens
-    (``grpo``), loss tokens (``bnpo`` / ``dapo``) or sequences (``dr_grpo``).
+    """The count a ``kernels`` loss_type divides by (its registered
+    ``normaliser``: sequences with loss tokens for ``grpo``, loss tokens for
+    ``bnpo`` / ``dapo``, sequences for ``dr_grpo``).
 
     ``informative_only`` counts only sequences of groups with non-zero
     advantage (``informative_sequences``): the normaliser of a loss taken
     over those groups alone (``grpo.loss_over_informative_groups``).
     """
+    reduction = get_loss_type(loss_type)
     keep = informative_sequences(batch) if informative_only else torch.ones(batch.num_seqs, dtype=torch.bool)
-    cs = torch.zeros(batch.num_tokens + 1, dtype=torch.long)
-    torch.cumsum(batch.loss_mask.long().cpu(), 0, out=cs[1:])
-    cu = batch.cu_seqlens.long().cpu()
-    per_seq = cs[cu[1:]] - cs[cu[:-1]]
-    if loss_type == "grpo":
-        return int(((per_seq > 0) & keep).sum())
-    if loss_type in ("bnpo", "dapo"):
-        return int(per_seq[keep].sum())
-    if loss_type == "dr_grpo":
-        return int(keep.sum())
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+    return int(reduction.count(loss_token_counts(batch.loss_mask.cpu().bool(), batch.cu_seqlens.cpu()), keep))
 
 
 def accumulation_weight(micro: PackedBatch, full: PackedBatch | None, loss_type: str,

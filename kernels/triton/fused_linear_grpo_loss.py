@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import packing
+from .. import loss_types, packing
 from .common import grpo_token, interpreting, search_iters, sequence_of
 from .fused_linear_logprob import as_compute_pair, combine_partials, forward_partials, linear_logprobs_backward
 
@@ -64,7 +64,7 @@ class FusedLinearGrpoLoss(torch.autograd.Function):
         pos = packing.loss_positions(mask)
         m = pos.numel()
         counts = packing.loss_token_counts(mask, cu_seqlens)
-        w_seq = packing.sequence_loss_weights(counts, loss_type, max_tokens)
+        w_seq = loss_types.sequence_weights(counts, loss_type, max_tokens)
         h, w = as_compute_pair(hidden.index_select(0, pos).contiguous(), weight.contiguous())
         tgt = targets.reshape(-1).index_select(0, pos).contiguous()
         old = packing.gather_per_token(old_logp, pos, n)
@@ -121,7 +121,7 @@ def fused_linear_grpo_loss(hidden, weight, targets, advantages, loss_mask, cu_se
                            ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, temperature=1.0,
                            loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False,
                            token_weights=None):
-    packing.check_loss_type(loss_type)
+    loss_types.get_loss_type(loss_type)
     loss, *vals = FusedLinearGrpoLoss.apply(
         hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
         float(eps_low), float(eps_high), float(beta), float(temperature), loss_type, max_tokens,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import packing
+from .. import loss_types, packing
 from .common import grpo_token, interpreting, search_iters, sequence_of
 
 
@@ -58,7 +58,7 @@ class GrpoLoss(torch.autograd.Function):
         dev = logp.device
         mask = loss_mask.reshape(-1).contiguous()
         counts = packing.loss_token_counts(mask.bool(), cu_seqlens)
-        w_seq = packing.sequence_loss_weights(counts, loss_type, max_tokens)
+        w_seq = loss_types.sequence_weights(counts, loss_type, max_tokens)
         lp = logp.reshape(-1).contiguous()
         old = None if old_logp is None else old_logp.reshape(-1).contiguous()
         ref = None if ref_logp is None else ref_logp.reshape(-1).contiguous()
@@ -94,7 +94,7 @@ class GrpoLoss(torch.autograd.Function):
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low=0.2, eps_high=0.2, beta=0.0,
               loss_type="grpo", *, max_tokens=None, token_weights=None):
-    packing.check_loss_type(loss_type)
+    loss_types.get_loss_type(loss_type)
     loss, *vals = GrpoLoss.apply(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, float(eps_low),
                                  float(eps_high), float(beta), loss_type, max_tokens, token_weights)
     keys = ["clip_frac"] + (["kl"] if ref_logp is not None else [])

@@ -453,7 +453,8 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
                                           g.steps * g.updates_per_batch * g.mini_batches, 0.0)
     start = ctx.resume(stage, policy, optimizer, scheduler)
     settings = RLLossSettings(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type,
-                              max_tokens=float(g.max_total_tokens) if g.loss_type == "dr_grpo" else None)
+                              max_tokens=(float(g.max_total_tokens)
+                                          if kernels.get_loss_type(g.loss_type).scaled_by_max_tokens else None))
     last = {}
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         for step in progress(range(start, g.steps), total=g.steps, initial=start, desc=stage):

@@ -10,7 +10,7 @@ from kernels import chunked
 from kernels_testlib import (DEVICE, FAST_IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem,
                              triton_ready)
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
 
 
 def _compare(impl, p, old, ref, dtype=torch.float32, entropy=True, **kw):

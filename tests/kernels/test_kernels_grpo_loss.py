@@ -9,7 +9,7 @@ import torch
 import kernels
 from kernels_testlib import DEVICE, FAST_IMPLS, IMPLS, SEQLENS, assert_close, cu_of, loss_mask_for, triton_ready
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
 
 
 def _run(impl, *args, **kw):

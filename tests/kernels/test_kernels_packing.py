@@ -53,15 +53,3 @@ def test_sequence_ids_and_counts():
     assert packing.sequence_ids(pos, cu).tolist() == [0, 0, 2, 2, 2, 3]
     mask = torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool)
     assert packing.loss_token_counts(mask, cu).tolist() == [1, 0, 2, 0]
-
-
-def test_sequence_loss_weights():
-    counts = torch.tensor([1, 0, 2, 0])
-    w = packing.sequence_loss_weights(counts, "grpo")
-    torch.testing.assert_close(w, torch.tensor([1 / 2, 0.0, 1 / 4, 0.0]))
-    torch.testing.assert_close(packing.sequence_loss_weights(counts, "bnpo"), torch.full((4,), 1 / 3))
-    torch.testing.assert_close(packing.sequence_loss_weights(counts, "dr_grpo"), torch.full((4,), 1 / 8))
-    torch.testing.assert_close(packing.sequence_loss_weights(counts, "dr_grpo", 10), torch.full((4,), 1 / 40))
-    # no loss token anywhere: every weight is finite (and the loss is 0)
-    for lt in kernels.LOSS_TYPES:
-        assert torch.isfinite(packing.sequence_loss_weights(torch.zeros(3, dtype=torch.long), lt)).all()

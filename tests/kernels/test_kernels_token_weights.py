@@ -9,7 +9,7 @@ import torch
 import kernels
 from kernels_testlib import FAST_IMPLS, IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem, triton_ready
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
 
 
 def _ready(impl):

@@ -1,0 +1,117 @@
+"""The loss types: how the per-token GRPO losses of a packed batch are reduced
+to one number. The one home of their names and their definitions.
+
+Every reduction is ``loss = sum_i l_i / d(seq(i))`` over the loss tokens, with
+a per-sequence denominator ``d`` built from three facts a ``LossType`` states:
+
+- ``normaliser``: the count the batch's loss divides by (sequences with loss
+  tokens, loss tokens, or sequences). Gradient accumulation splits a batch by
+  the ratio of these counts (``rcgrpo.batch.accumulation_weight``).
+- ``mean_within_sequence``: each sequence's tokens are averaged first (the
+  denominator also holds that sequence's loss-token count).
+- ``scaled_by_max_tokens``: the denominator also holds a constant token budget
+  (Dr. GRPO: ``max_tokens``, by default the longest sequence's count).
+
+The chunked and Triton paths need only ``sequence_weights`` (``1 / d`` per
+sequence), so a registered type runs on every path; ``kernels.reference``
+reduces with a loop over sequences from the same three facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional
+
+import torch
+
+__all__ = ["LossType", "LOSS_TYPES", "get_loss_type", "register_loss_type", "sequence_weights"]
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One reduction. ``normaliser(counts, keep)`` maps the [S] per-sequence
+    loss-token counts and an [S] bool selection to the count (a 0-d tensor)
+    the loss divides by; the selection is how a caller counts a subset
+    (``rcgrpo.batch.loss_normaliser(..., informative_only=True)``)."""
+
+    name: str
+    normaliser: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    mean_within_sequence: bool = False
+    scaled_by_max_tokens: bool = False
+    description: str = ""
+
+    def __post_init__(self):
+        if self.mean_within_sequence and self.scaled_by_max_tokens:
+            # sequence_weights builds a denominator of two factors, not three.
+            raise ValueError(f"loss_type {self.name!r}: choose one of mean_within_sequence and scaled_by_max_tokens")
+
+    def count(self, counts: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The normaliser of the sequences ``keep`` selects (all by default)."""
+        if keep is None:
+            keep = torch.ones_like(counts, dtype=torch.bool)
+        return self.normaliser(counts, keep)
+
+
+_REGISTRY: dict[str, LossType] = {}
+# A read-only view in registration order: ``tuple(LOSS_TYPES)`` are the names.
+LOSS_TYPES: Mapping[str, LossType] = MappingProxyType(_REGISTRY)
+
+
+def register_loss_type(loss_type: LossType) -> LossType:
+    """Add a reduction under its name (a name is registered once)."""
+    if loss_type.name in _REGISTRY:
+        raise ValueError(f"loss_type {loss_type.name!r} is already registered")
+    _REGISTRY[loss_type.name] = loss_type
+    return loss_type
+
+
+def get_loss_type(name: str) -> LossType:
+    """The registered reduction called ``name``; a ValueError listing the
+    names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"loss_type must be one of {tuple(_REGISTRY)}, got {name!r}") from None
+
+
+def sequence_weights(counts: torch.Tensor, loss_type: str, max_tokens: Optional[float] = None) -> torch.Tensor:
+    """[S] fp32 weight ``1 / d`` of one loss token of each sequence (0 for a
+    sequence the reduction leaves out). Kept as tensors, so no host sync.
+
+    Every denominator is one product of at most two factors, so the weights
+    are the same bits whichever factor a type adds.
+    """
+    lt = get_loss_type(loss_type)
+    c = counts.to(torch.float32)
+    num_seqs = counts.numel()
+    # A batch without a counted sequence or token has nothing to divide: 1
+    # keeps every weight finite (and the loss is 0 there anyway).
+    denominator = lt.count(counts).to(torch.float32).clamp(min=1.0)
+    if lt.mean_within_sequence:
+        denominator = c.clamp(min=1.0) * denominator
+    elif lt.scaled_by_max_tokens:
+        if max_tokens is None:
+            budget = c.max().clamp(min=1.0) if num_seqs > 0 else c.new_tensor(1.0)
+        else:
+            budget = c.new_tensor(float(max_tokens))
+        denominator = budget * denominator
+    weights = (1.0 / denominator).expand(num_seqs).contiguous()
+    if lt.mean_within_sequence:
+        # A sequence without loss tokens has no mean to take part in.
+        weights = torch.where(counts > 0, weights, torch.zeros_like(weights))
+    return weights
+
+
+register_loss_type(LossType(
+    "grpo", lambda counts, keep: ((counts > 0) & keep).sum(), mean_within_sequence=True,
+    description="mean over sequences (with loss tokens) of each sequence's token mean (GRPO paper)"))
+register_loss_type(LossType(
+    "bnpo", lambda counts, keep: torch.where(keep, counts, torch.zeros_like(counts)).sum(),
+    description="token mean over the batch"))
+register_loss_type(LossType(
+    "dapo", lambda counts, keep: torch.where(keep, counts, torch.zeros_like(counts)).sum(),
+    description="token mean over the batch (DAPO; the same as bnpo on one process)"))
+register_loss_type(LossType(
+    "dr_grpo", lambda counts, keep: keep.sum(), scaled_by_max_tokens=True,
+    description="sum over tokens / (sequences x max_tokens) (Dr. GRPO)"))
