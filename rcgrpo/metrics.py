@@ -239,11 +239,12 @@ def progress(iterable: Optional[Iterable] = None, *, total: Optional[int] = None
              unit: str = "it", leave: bool = True, **kwargs):
     """tqdm with the project's conventions.
 
-    * ``desc`` names the loop ("rctp epoch 2", "rollout", "eval base");
-      inner loops pass ``leave=False`` so only outer bars stay on screen.
-    * On a terminal the bar redraws often; in a log file (CI, nohup) it
-      prints at most every 30 s so logs stay readable.
-    * ``RCGRPO_PROGRESS=0`` turns every bar off.
+    * ``desc`` names the loop ("rctp", "rc-grpo", "rollouts"); inner loops
+      pass ``leave=False``.
+    * On a terminal every bar redraws often. In a log file (CI, nohup) only
+      the outer bars print, one line each at most every 30 s: an inner bar
+      there would add a line per update.
+    * ``RCGRPO_PROGRESS=0`` turns every bar off; ``disable=True`` this one.
     * Print with ``log_line`` (tqdm.write) while a bar is active.
     """
     from tqdm.auto import tqdm
@@ -251,8 +252,19 @@ def progress(iterable: Optional[Iterable] = None, *, total: Optional[int] = None
     tty = sys.stderr.isatty()
     kwargs.setdefault("mininterval", 0.5 if tty else 30.0)
     kwargs.setdefault("dynamic_ncols", True)
-    kwargs.setdefault("disable", os.environ.get("RCGRPO_PROGRESS", "1") == "0" or not _main_rank())
+    kwargs["disable"] = bool(kwargs.get("disable")) or os.environ.get("RCGRPO_PROGRESS", "1") == "0" \
+        or not _main_rank() or (not tty and not leave)
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, **kwargs)
+
+
+def quiet_library_progress() -> None:
+    """In a log file, turn off the bars transformers draws per weight loaded
+    and per shard written (a line per update there); ours stay."""
+    if sys.stderr.isatty():
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def log_line(message: str) -> None:

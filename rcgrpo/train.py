@@ -71,7 +71,7 @@ def training_entries(cfg: Config, tokenizer) -> list:
 def claim_fresh_run_dir(cfg: Config) -> None:
     """A new run never writes into an existing run's folder: it takes the
     first free `<name>-2`, `<name>-3`, ... (`--resume` continues the named one)."""
-    from rcgrpo.metrics import log_line
+    from rcgrpo.metrics import log_line, quiet_library_progress
 
     base, k = cfg.run.name, 1
     while cfg.run_dir.exists() and any(cfg.run_dir.iterdir()):
@@ -169,6 +169,7 @@ def run(cfg: Config) -> int:
     from rcgrpo.training.grpo import train_rl
 
     seed_everything(cfg.data.seed)
+    quiet_library_progress()
     if cfg.run.resume:
         # Every rank checks (the same files), so all of them stop on a refusal.
         check_resume(cfg, write=distributed.is_main())

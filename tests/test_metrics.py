@@ -97,11 +97,23 @@ def test_tensorboard_scalars(tmp_path):
     assert [e.value for e in acc.Scalars("reward_mean")] == [0.5, 1.0, 1.5]
 
 
-def test_progress_conventions(monkeypatch):
+def test_progress_conventions(monkeypatch, capsys):
     monkeypatch.setenv("RCGRPO_PROGRESS", "0")
     bar = progress(range(3), desc="rollout")
     assert bar.disable and list(bar) == [0, 1, 2]
     monkeypatch.setenv("RCGRPO_PROGRESS", "1")
-    bar = progress(total=2, desc="eval", leave=False)
-    assert bar.mininterval == 30.0  # stderr is not a terminal under pytest
-    bar.close()
+    # stderr is not a terminal under pytest: a log file's conventions
+    stage = progress(total=50, desc="rc-grpo")
+    assert not stage.disable and stage.mininterval == 30.0
+    inner = progress(total=50, desc="rollouts", leave=False)
+    assert inner.disable  # an inner bar would print a line per update in a log
+    assert progress(total=2, desc="rc-grpo", disable=True).disable
+    for _ in range(50):
+        inner.update(1)
+        stage.update(1)
+    inner.close()
+    stage.close()
+    err = capsys.readouterr().err
+    assert "rollouts" not in err
+    # the stage bar: its first and its closing draw only (50 updates inside 30 s)
+    assert len([part for part in err.replace("\r", "\n").splitlines() if "rc-grpo" in part]) <= 3

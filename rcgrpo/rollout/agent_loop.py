@@ -14,8 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from tqdm.auto import tqdm
-
+from ..metrics import progress
 from ..models import HIGH_REWARD, LOW_REWARD
 from ..prompts import ChatTokens, initial_messages
 from .engine import Engine, SamplingConfig
@@ -160,7 +159,7 @@ def run_episodes(
                 ep.finish("prompt_too_long")
             convs.append(conv)
 
-    bar = tqdm(total=n, desc="rollouts", unit="ep", disable=not cfg.progress, leave=False)
+    bar = progress(total=n, desc="rollouts", unit="ep", disable=not cfg.progress, leave=False)
     bar.update(sum(c.done for c in convs))
     step = 0
     while active := [c for c in convs if not c.done]:
