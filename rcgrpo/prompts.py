@@ -18,8 +18,7 @@ import json
 from typing import Any, Sequence
 
 from .models import HIGH_REWARD, LOW_REWARD
-
-DOC_STYLES = ("compact", "compact_no_response", "official")
+from .names import DOC_STYLES
 
 # Our paraphrase of BFCL's default system prompt: same instructions (python
 # list of keyword calls, say so when nothing fits or a parameter is missing,

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
 from rcgrpo import config as C
 from rcgrpo.config import Config, ConfigError, parse_args
+from rcgrpo.config_io import optional_inner
 
 
 def test_defaults_are_the_papers_numbers():
@@ -34,11 +39,11 @@ def test_embedded_default_gets_the_cpu_preset_and_named_models_do_not(tmp_path):
 def test_pipeline_views():
     cfg = parse_args([])
     assert cfg.stages == ["rctp-data", "rctp", "rc-grpo", "eval"]
-    assert (cfg.finetune_stage, cfg.rl_stage, cfg.reward_conditioned) == ("rctp", "rc-grpo", True)
+    assert (cfg.finetune_stage, cfg.rl_stage) == ("rctp", "rc-grpo")  # reward-conditioned rollouts
     assert cfg.eval.conditioning == "high"
     sg = parse_args(["--pipeline", "sft+grpo", "--stages", "eval,sft"])
     assert sg.stages == ["sft", "eval"]  # pipeline order, whatever the flag order
-    assert (sg.finetune_stage, sg.rl_stage, sg.reward_conditioned) == ("sft", "grpo", False)
+    assert (sg.finetune_stage, sg.rl_stage) == ("sft", "grpo")  # plain GRPO rollouts
     assert sg.eval.conditioning == "none"
     assert parse_args(["--pipeline", "sft+rc-grpo"]).eval.conditioning == "high"
 
@@ -101,7 +106,9 @@ def test_cli_forms():
         (["--grpo.beta", "-1"], "grpo.beta must be >= 0"),
         (["--grpo.loss_type", "ppo"], "grpo.loss_type must be one of"),
         (["--grpo.temperature", "0"], "grpo.temperature must be > 0"),
-        (["--pipeline", "rctp+ppo"], "did you mean 'rctp+grpo'"),
+        (["--pipeline", "rctp+ppo"], "run.pipeline must be one of ('rctp+rc-grpo', "),
+        (["--pipeline", "rctp+ppo"], "got 'rctp+ppo'; did you mean 'rctp+grpo'"),
+        (["--grpo.loss_type", "dapoo"], "did you mean 'dapo'"),
         (["--stages", "sft"], "not in pipeline rctp+rc-grpo"),
         (["--data.categories", "base,web"], "unknown categories ['web']"),
         (["--name", "a/b"], "run.name must be a plain folder name"),
@@ -110,11 +117,16 @@ def test_cli_forms():
         (["--model", "embedded:gpt5"], "unknown embedded model"),
         (["--config", "/no/such.toml"], "config file /no/such.toml does not exist"),
         (["--rctp.data_file", "/no/such.jsonl"], "rctp.data_file: /no/such.jsonl does not exist"),
-        (["--preset", "gpu-huge"], "unknown setting 'gpu-huge'"),
+        (["--preset", "gpu-huge"], "unknown preset 'gpu-huge' (--preset); the presets are cpu-small, paper-qwen7b"),
         (["positional"], "unexpected argument 'positional'"),
         (["--model.lora.dropout", "1"], "model.lora.dropout must be in [0, 1)"),
         (["--data.max_prompt_tokens", "9000"], "must exceed data.max_prompt_tokens"),
-        (["--data.entry_ids", "multi_turn_base_1,multi_turn_base_1"], "data.entry_ids must be a non-empty list"),
+        (["--data.entry_ids", "multi_turn_base_1,multi_turn_base_1"], "data.entry_ids has duplicates"),
+        (["--sft.epochs", "0"], "sft.epochs must be >= 1 (use --stages to skip a stage), got 0"),
+        (["--eval.split", "dev"], "eval.split must be one of ('test', 'train'), got 'dev'"),
+        (["--stages", "rctp,rctp"], "run.stages has duplicates: ['rctp', 'rctp']"),
+        (["--run.engine_memory_fraction", "1"], "run.engine_memory_fraction must be in (0, 1), got 1.0"),
+        (["--grpo.top_p", "0"], "grpo.top_p must be in (0, 1], got 0.0"),
         (["--grpo.tis_cap", "0"], "grpo.tis_cap must be > 0 (none = off)"),
         (["--grpo.mini_batches", "0"], "grpo.mini_batches must be >= 1"),
         (["--grpo.batch_size", "2", "--grpo.mini_batches", "3"], "must not exceed grpo.batch_size (2)"),
@@ -136,8 +148,8 @@ def test_all_problems_reported_at_once():
 
 
 def test_lora_needs_peft(monkeypatch):
-    real = C.importlib.util.find_spec
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda n, *a: None if n == "peft" else real(n, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "peft" else real(n, *a))
     with pytest.raises(ConfigError, match="pip install peft"):
         parse_args(["--model.lora.enabled"])
     parse_args(["--model.lora.r", "8"])  # disabled: options validated, peft not needed
@@ -207,7 +219,7 @@ def test_every_preset_is_valid():
         assert cfg.preset == name
 
 
-FLOAT_KEYS = [k for k, (tp, _) in C.all_keys().items() if tp is float or C._optional_inner(tp) is float]
+FLOAT_KEYS = [k for k, (tp, _) in C.all_keys().items() if tp is float or optional_inner(tp) is float]
 
 
 @pytest.mark.parametrize("key", FLOAT_KEYS)
@@ -247,3 +259,24 @@ def test_resume_safe_keys_are_real_settings():
     for key in ("model.name_or_path", "data.seed", "grpo.lr", "grpo.batch_size", "rctp.epochs", "run.pipeline",
                 "grpo.loss_type", "model.lora.r", "data.categories", "grpo.group_size", "grpo.steps"):
         assert key not in C.resume_safe_keys()
+
+
+def test_a_retired_setting_in_an_earlier_runs_file_is_skipped_and_a_flag_is_told_why(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("[run]\nlog_every = 5\n")  # what runs saved before run.log_every went
+    assert C.load_config(path).to_dict() == parse_args([]).to_dict()
+    assert Config.from_dict({"run": {"log_every": 5}}).to_dict() == parse_args(["--preset", "none"]).to_dict()
+    with pytest.raises(ConfigError, match="'run.log_every' .* is no longer a setting: metric lines are written"):
+        parse_args(["--run.log_every", "5"])
+
+
+def test_presets_are_data_in_dotted_keys():
+    for name, values in C.PRESETS.items():
+        assert set(values) <= set(C.all_keys()), name
+
+
+def test_reading_a_config_imports_no_torch():
+    """Validating a config stays fast: a fresh interpreter, so nothing imported before counts."""
+    code = ("import sys; from rcgrpo.config import parse_args; parse_args([]); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -9,13 +9,13 @@ forgot to switch the adapters off then shows up as a numeric difference.
 """
 import copy
 import dataclasses
+import importlib.util
 import inspect
 import shutil
 
 import pytest
 import torch
 
-from rcgrpo import config as C
 from rcgrpo.batch import pack
 from rcgrpo.checkpoint import CheckpointError
 from rcgrpo.config import ConfigError, LoraConfig, parse_args
@@ -93,8 +93,8 @@ def test_config_errors_name_the_setting(argv, needle):
 
 
 def test_enabled_without_peft_names_the_setting_and_the_pip_command(monkeypatch):
-    real = C.importlib.util.find_spec
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda n, *a: None if n == "peft" else real(n, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "peft" else real(n, *a))
     with pytest.raises(ConfigError) as e:
         parse_args(["--model.lora.enabled", "true"])
     assert "model.lora.enabled" in str(e.value) and "pip install peft==0.21.2" in str(e.value)
