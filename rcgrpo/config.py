@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+import kernels
 from rcgrpo.atomic import atomic_write_text
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.errors import UserError
@@ -47,10 +48,10 @@ __all__ = [
 ]
 
 # Kept in sync with rcgrpo.models.EMBEDDED by a test; not imported, so that
-# validating a config does not import torch.
+# validating a config does not load transformers.
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
-# Kept in sync with kernels.packing.LOSS_TYPES by a test.
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+# The loss types' one list lives with their definitions (kernels/loss_types.py).
+LOSS_TYPES = tuple(kernels.LOSS_TYPES)
 ADVANTAGE_SCALES = ("group", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")

@@ -71,7 +71,7 @@ def training_entries(cfg: Config, tokenizer) -> list:
 def claim_fresh_run_dir(cfg: Config) -> None:
     """A new run never writes into an existing run's folder: it takes the
     first free `<name>-2`, `<name>-3`, ... (`--resume` continues the named one)."""
-    from rcgrpo.metrics import log_line, quiet_library_progress
+    from rcgrpo.metrics import log_line
 
     base, k = cfg.run.name, 1
     while cfg.run_dir.exists() and any(cfg.run_dir.iterdir()):
@@ -158,7 +158,7 @@ class RunEngine:
 def run(cfg: Config) -> int:
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
     from rcgrpo.evaluate import evaluate, select_entries, write_eval
-    from rcgrpo.metrics import log_line
+    from rcgrpo.metrics import log_line, quiet_library_progress
     from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
     from rcgrpo.policy import TrainablePolicy
     from rcgrpo.report import write_report
