@@ -126,7 +126,7 @@ if __name__ == "__main__":
         t2 = time.perf_counter()
         steps.append({"generation_s": t1 - t0, "update_s": t2 - t1, "total_s": t2 - t0,
                       "reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
-                      "generated": sum(sum(r.loss_mask) for r in rollouts),
+                      "generated": sum(sum(r.sampled_mask) for r in rollouts),
                       "batch_tokens": stats.get("batch_tokens", 0)})
     print(json.dumps({"steps": steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "torch_threads": torch.get_num_threads()}))

@@ -39,9 +39,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rcgrpo.atomic import atomic_output
-from rcgrpo.envs.bfcl import CATEGORIES, load_entries
+from rcgrpo.envs.data import CATEGORIES, load_entries
 from rcgrpo.envs.replay import replay, replay_ground_truth
 from rcgrpo.errors import DEBUG_ENV, DEBUG_FLAG, UserError, run_command
+from rcgrpo.reward_tokens import CONDITIONING_NAMES, stage_saw_reward_tokens
 
 
 def score_replay_file(src: Path, dst: Path, positional: str = "drop") -> tuple[int, int]:
@@ -208,8 +209,6 @@ def resolve_eval_settings(model: str, args) -> EvalSettings:
     models/<stage> folder, then the built-in defaults. Loads no engine and no
     weights (at most a tokenizer). Raises EvalSettingsError for a broken run
     config or a stage folder whose training the stage name does not tell."""
-    from rcgrpo.evaluate import stage_saw_reward_tokens
-
     given = {name: getattr(args, name, None) for name in SETTINGS}
     from_flags = [name for name in SETTINGS if given[name] is not None]
     run = run_stage_of(model)
@@ -294,7 +293,7 @@ def eval_command(argv: list[str]) -> int:
     parser.add_argument("--categories", default=",".join(CATEGORIES))
     parser.add_argument("--ids", default="", help="--model: only these comma-separated entry ids of the split")
     # None = not given: resolve_eval_settings fills them from the model's run, else the built-in defaults.
-    parser.add_argument("--conditioning", choices=["high", "low", "none"], default=None,
+    parser.add_argument("--conditioning", choices=CONDITIONING_NAMES, default=None,
                         help="reward token in the prompt (default: the run's eval.conditioning for a stage trained "
                              "with reward tokens, else none; outside a run: high if the model has the tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=None,

@@ -17,7 +17,7 @@ import copy
 import json
 from typing import Any, Sequence
 
-from .models import HIGH_REWARD, LOW_REWARD
+from .reward_tokens import REWARD_TOKENS
 
 DOC_STYLES = ("compact", "compact_no_response", "official")
 
@@ -38,8 +38,8 @@ SYSTEM_PROMPT = (
 
 
 def reward_tag(reward_token: str) -> str:
-    """The tag RC-GRPO appends to the first user message (PAPER.md)."""
-    if reward_token not in (HIGH_REWARD, LOW_REWARD):
+    """The tag RC-GRPO appends to the first user message (the paper, arXiv 2602.03025)."""
+    if reward_token not in REWARD_TOKENS:
         raise ValueError(f"not a reward token: {reward_token!r}")
     return f"\n\n[Reward Goal: {reward_token}]"
 

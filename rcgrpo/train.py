@@ -243,7 +243,7 @@ def run(cfg: Config) -> int:
             # LoRA: the reference is the same model with its adapters off, not a second copy.
             policy = TrainablePolicy.load(current, cfg.model, device, reference=cfg.grpo.beta > 0,
                                           token_ids=token_ids)
-            train_rl(ctx, stage, policy, live, entries, reward_conditioned=cfg.finetune_stage == "rctp")
+            train_rl(ctx, stage, policy, live, entries, finetune_stage=cfg.finetune_stage)
             engine.holds = None  # the last update's weights were never pushed
             current = ctx.export_model(stage, policy)
             ctx.mark_done(stage, {"steps": cfg.grpo.steps})

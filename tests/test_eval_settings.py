@@ -10,8 +10,8 @@ import pytest
 
 from rcgrpo.config import parse_args
 from rcgrpo.eval import EvalSettingsError, main, resolve_eval_settings
-from rcgrpo.evaluate import stage_saw_reward_tokens
-from rcgrpo.models import EMBEDDED, REWARD_TOKENS
+from rcgrpo.models import EMBEDDED
+from rcgrpo.reward_tokens import REWARD_TOKENS, stage_saw_reward_tokens
 
 
 def flags(**given):
