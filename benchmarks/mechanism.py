@@ -126,7 +126,7 @@ def worker_sample(args) -> dict:
     same prompts, order and seeds for every model and conditioning."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rcgrpo.envs.bfcl import load_entries, split_train_test
-    from rcgrpo.evaluate import named_entries
+    from rcgrpo.evaluation.rollouts import named_entries
     from rcgrpo.models import load_tokenizer
     from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
     from rcgrpo.rollout import make_engine

@@ -46,7 +46,7 @@ def training_entries(cfg: Config, tokenizer) -> list:
     """Training split of the configured categories whose opening prompt fits
     `data.max_prompt_tokens`, optionally a seeded subset."""
     from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
-    from rcgrpo.evaluate import named_entries
+    from rcgrpo.evaluation.rollouts import named_entries
     from rcgrpo.prompts import ChatTokens, initial_messages
 
     train, _ = split_train_test(load_entries(cfg.data.categories))
@@ -157,7 +157,7 @@ class RunEngine:
 
 def run(cfg: Config) -> int:
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
-    from rcgrpo.evaluate import evaluate, select_entries, write_eval
+    from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
     from rcgrpo.metrics import log_line
     from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
     from rcgrpo.policy import TrainablePolicy
