@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rcgrpo.atomic import atomic_write_text
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.errors import UserError
 from rcgrpo.metrics import METRICS_FILE, STANDARD_METRICS, MetricsFileError, read_records
@@ -244,9 +245,7 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     md += ["## Training dynamics", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md += ["## Per-stage summary", ""] + _stage_summary(records)
-    out = run_dir / REPORT_FILE
-    out.write_text("\n".join(md))
-    return out
+    return atomic_write_text(run_dir / REPORT_FILE, "\n".join(md))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
