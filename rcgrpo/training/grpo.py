@@ -457,7 +457,9 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
             version = scheduler.last_epoch
             rollout_cfg = RolloutConfig(
                 max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
-                temperature=g.temperature, top_p=g.top_p,
+                # The loss settings' temperature, so that the engine samples (and reports
+                # log-probs) at exactly the temperature the trainer scores the tokens at.
+                temperature=settings.temperature, top_p=g.top_p,
                 # Each engine group's share of the step gets its own seeds.
                 seed=ctx.cfg.data.seed * 100_003 + step + 1_000_003 * offset,
                 doc_style=ctx.cfg.data.doc_style, progress=False, policy_version=version,
