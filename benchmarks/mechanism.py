@@ -3,7 +3,7 @@
     python benchmarks/mechanism.py                  # defaults below; ~75 min on 2 cores
     python benchmarks/mechanism.py --report-only    # rewrite the table from finished parts
 
-PAPER.md's claim: after SFT on experts, GRPO's groups of rollouts tend to earn
+The paper's claim (arXiv 2602.03025): after SFT on experts, GRPO's groups of rollouts tend to earn
 identical rewards (all solve or all fail), so their advantages are 0 and they
 give no gradient; RC-GRPO draws each rollout's reward token with p = 0.5, and
 the RCTP policy behaves differently under the two tokens, which keeps reward
@@ -126,8 +126,9 @@ def worker_sample(args) -> dict:
     same prompts, order and seeds for every model and conditioning."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rcgrpo.envs.bfcl import load_entries, split_train_test
-    from rcgrpo.evaluate import named_entries
-    from rcgrpo.models import HIGH_REWARD, LOW_REWARD, load_tokenizer
+    from rcgrpo.evaluation.rollouts import named_entries
+    from rcgrpo.models import load_tokenizer
+    from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
     from rcgrpo.rollout import make_engine
     from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 
@@ -135,11 +136,11 @@ def worker_sample(args) -> dict:
     train, _ = split_train_test(load_entries(["base"]))
     entries = named_entries(train, ids, "--entries", "training entries of base")
     plays = [e for _ in range(args.groups // len(entries)) for e in entries]
-    n = len(plays) * args.group_size
-    tokens = {"none": None, "high": [HIGH_REWARD] * n, "low": [LOW_REWARD] * n, "mixed": "sample"}[args.conditioning]
+    tokens = {"none": None, "high": HIGH_REWARD, "low": LOW_REWARD,
+              "mixed": DrawPerRollout(p_high=0.5)}[args.conditioning]
     engine = make_engine("auto", args.model, dtype="float32", max_model_len=args.max_total_tokens, seed=args.seed)
     config = RolloutConfig(max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens,
-                           temperature=args.temperature, seed=args.seed, doc_style="compact_no_response", p_high=0.5)
+                           temperature=args.temperature, seed=args.seed, doc_style="compact_no_response")
     t0 = time.time()
     rollouts = run_episodes(engine, load_tokenizer(args.model), plays, args.group_size, config, reward_tokens=tokens)
     groups = [[r.reward for r in rollouts if r.group == g] for g in range(len(plays))]
@@ -157,7 +158,8 @@ def worker_probe(args) -> dict:
     import torch
 
     from rcgrpo.data.rctp import load_records
-    from rcgrpo.models import HIGH_REWARD, LOW_REWARD, load_policy, reward_token_ids
+    from rcgrpo.models import load_policy, reward_token_ids
+    from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
     policy = load_policy(args.model)
     model, ids = policy.model.eval(), reward_token_ids(policy.tokenizer)
@@ -170,7 +172,7 @@ def worker_probe(args) -> dict:
             other = list(rec.token_ids)
             other[tag_at[0]] = swap[other[tag_at[0]]]
             # position i predicts token i + 1: the assistant tokens' predicting positions
-            pos = torch.tensor([i - 1 for i, m in enumerate(rec.loss_mask) if m and i > 0])
+            pos = torch.tensor([i - 1 for i, m in enumerate(rec.sampled_mask) if m and i > 0])
             targets = torch.tensor(rec.token_ids)[pos + 1]
             logps = []
             for seq in (rec.token_ids, other):
@@ -202,7 +204,7 @@ def first_divergences(model, records, high: int, low: int) -> list[dict]:
     high tag pushes towards the expert's choice, in nats)."""
     import torch
 
-    from rcgrpo.models import HIGH_REWARD
+    from rcgrpo.reward_tokens import HIGH_REWARD
 
     by_entry: dict[str, dict[str, object]] = {}
     for rec in records:
@@ -214,7 +216,7 @@ def first_divergences(model, records, high: int, low: int) -> list[dict]:
         e, f = pair["expert"].token_ids, pair["failure"].token_ids
         tag = next(i for i, t in enumerate(e) if t == high)
         j = next((i for i in range(tag + 1, min(len(e), len(f))) if e[i] != f[i]), None)
-        if j is None or not (pair["expert"].loss_mask[j] and pair["failure"].loss_mask[j]):
+        if j is None or not (pair["expert"].sampled_mask[j] and pair["failure"].sampled_mask[j]):
             continue  # no divergence, or not at a sampled token
         prefs = {}
         for name, token in (("high", high), ("low", low)):
@@ -405,6 +407,8 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from rcgrpo.reward_tokens import REWARD_TOKENS
+
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     a = results.get("controllability")
     if a:
@@ -413,7 +417,7 @@ def plot(results: dict, path: Path) -> None:
             axes[0].bar(x, r["mean"], color=("tab:green", "tab:red")[x])
             axes[0].errorbar(x, r["mean"], yerr=error_bar(r["mean"], r["ci"]), color="k",
                              capsize=6)
-        axes[0].set(xticks=[0, 1], xticklabels=["<|high_reward|>", "<|low_reward|>"], ylim=(0, 1),
+        axes[0].set(xticks=[0, 1], xticklabels=list(REWARD_TOKENS), ylim=(0, 1),
                     title="(a) RCTP: sampled reward by token (95%)")
     b = results.get("zero_variance", {})
     for x, (arm, z) in enumerate(b.items()):

@@ -30,14 +30,15 @@ def policy():
 
 @pytest.fixture(scope="module")
 def prompts(policy):
-    from rcgrpo.envs.bfcl import CATEGORIES, Episode, load_entries, split_train_test
+    from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
+    from rcgrpo.envs.data import CATEGORIES
     from rcgrpo.prompts import ChatTokens, initial_messages
-    from rcgrpo.rollout.agent_loop import draw_reward_tokens
+    from rcgrpo.reward_tokens import DrawPerRollout
 
     train, _ = split_train_test(load_entries())
     entries = [next(e for e in train if e.category == c) for c in CATEGORIES]
     chat = ChatTokens(policy.tokenizer)
-    tokens = draw_reward_tokens(len(entries) * G, 0.5, random.Random(0))
+    tokens = DrawPerRollout(0.5).draw(len(entries) * G, random.Random(0))
     return [
         chat.prompt_ids(initial_messages(Episode(e), tokens[i * G + k], DOC_STYLE))
         for i, e in enumerate(entries)

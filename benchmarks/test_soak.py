@@ -24,7 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 from rcgrpo.data.expert import ScriptedEngine, expert_turns, perturbed_turns, script_from_turns
-from rcgrpo.envs.bfcl import CATEGORIES, Episode, load_entries
+from rcgrpo.envs.bfcl import Episode, load_entries
+from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.envs.executor import REFUSED_NAMES
 from rcgrpo.envs.math_worker import StatelessCallRunner
 from rcgrpo.models import load_tokenizer, resolve_model_folder

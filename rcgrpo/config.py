@@ -35,7 +35,10 @@ import kernels
 from rcgrpo.atomic import atomic_write_text
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.errors import UserError
-from rcgrpo.names import DOC_STYLES
+from rcgrpo.prompts import DOC_STYLES
+from rcgrpo.rollout import ENGINES
+from rcgrpo.reward_tokens import CONDITIONING_NAMES, HIGH_REWARD, default_eval_conditioning
+from rcgrpo.stages import DYNAMIC_SAMPLING_PIPELINES, PAPER_RL_BATCH, PIPELINES, RL_STAGES
 
 try:
     import tomllib
@@ -56,27 +59,9 @@ ADVANTAGE_SCALES = ("group", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
-ENGINES = ("auto", "vllm", "hf")
-CONDITIONING = ("auto", "high", "low", "none")
+CONDITIONING = ("auto", *CONDITIONING_NAMES)
 SEED_MAX = 2**32 - 1  # numpy.random.seed's upper bound
 
-# Each pipeline is a row of the paper's Table 1/3; its stages run in order and
-# each reads the previous one's checkpoint. "rctp-data" builds the labelled
-# expert + failure trajectories; "sft" builds its expert-only data itself.
-PIPELINES: dict[str, tuple[str, ...]] = {
-    "rctp+rc-grpo": ("rctp-data", "rctp", "rc-grpo", "eval"),
-    "rctp+grpo": ("rctp-data", "rctp", "grpo", "eval"),
-    "sft+grpo": ("sft", "grpo", "eval"),
-    "sft+rc-grpo": ("sft", "rc-grpo", "eval"),
-    # Not in the paper: DAPO's dynamic sampling (zero-variance groups dropped,
-    # more prompts drawn) as the competing remedy for vanishing advantages.
-    "sft+grpo-ds": ("sft", "grpo", "eval"),
-}
-# Pipelines whose GRPO stage runs with dynamic sampling (grpo.dynamic_sampling none = on).
-DYNAMIC_SAMPLING_PIPELINES = ("sft+grpo-ds",)
-RL_STAGES = ("grpo", "rc-grpo")
-# The paper's RL batch differs between the methods (its hyper-parameter table).
-PAPER_RL_BATCH = {"rc-grpo": 256, "grpo": 64}
 
 
 class ConfigError(UserError, ValueError):
@@ -206,7 +191,7 @@ class GrpoConfig:
     beta: float = _f(0.1, "KL coefficient to the frozen reference (paper)", ge=0)
     eps_low: float = _f(0.2, "clip range below 1 (paper)", ge=0, lt=1)
     eps_high: float = _f(0.2, "clip range above 1 (paper)", ge=0)
-    p_high: float = _f(0.5, "RC-GRPO: P(<|high_reward|>) per rollout (paper)", ge=0, le=1)
+    p_high: float = _f(0.5, f"RC-GRPO: P({HIGH_REWARD}) per rollout (paper)", ge=0, le=1)
     temperature: float = _f(1.0, "rollout sampling temperature (choice)", gt=0,
                             note="greedy rollouts give no group variance")
     top_p: float = _f(1.0, "rollout nucleus sampling (choice)", gt=0, le=1)
@@ -410,7 +395,7 @@ def finalize(cfg: Config, check_files: bool = True) -> Config:
             cfg.grpo.batch_size = PAPER_RL_BATCH[cfg.rl_stage]
         if cfg.eval.conditioning == "auto":
             # Only a pipeline that trained on reward tokens can use one.
-            cfg.eval.conditioning = "none" if (cfg.finetune_stage, cfg.rl_stage) == ("sft", "grpo") else "high"
+            cfg.eval.conditioning = default_eval_conditioning(cfg.finetune_stage, cfg.rl_stage)
         if cfg.grpo.dynamic_sampling is None:
             cfg.grpo.dynamic_sampling = cfg.run.pipeline in DYNAMIC_SAMPLING_PIPELINES
     validate(cfg, check_files=check_files)

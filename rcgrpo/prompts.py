@@ -7,8 +7,8 @@ format, no tool-call tag, JSON docs, plaintext, "classic" style): a system
 prompt that asks for `[f(a=1), g(b=2)]` and lists the docs; user turns; tool
 results as `tool` messages. The default wording below is ours and the docs are
 compact JSON, because `json.dumps(indent=4)` docs alone take 3.9k-8.9k tokens
-of SmolLM2's 8,192 (PLATFORM.md). `doc_style="official"` builds BFCL's own
-prompt from bfcl_eval's constants instead.
+of SmolLM2's 8,192. `doc_style="official"` builds BFCL's own prompt from
+bfcl_eval's constants instead.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import copy
 import json
 from typing import Any, Sequence
 
-from .models import HIGH_REWARD, LOW_REWARD
-from .names import DOC_STYLES
+from .reward_tokens import REWARD_TOKENS
+
+DOC_STYLES = ("compact", "compact_no_response", "official")
 
 # Our paraphrase of BFCL's default system prompt: same instructions (python
 # list of keyword calls, say so when nothing fits or a parameter is missing,
@@ -37,8 +38,8 @@ SYSTEM_PROMPT = (
 
 
 def reward_tag(reward_token: str) -> str:
-    """The tag RC-GRPO appends to the first user message (PAPER.md)."""
-    if reward_token not in (HIGH_REWARD, LOW_REWARD):
+    """The tag RC-GRPO appends to the first user message (the paper, arXiv 2602.03025)."""
+    if reward_token not in REWARD_TOKENS:
         raise ValueError(f"not a reward token: {reward_token!r}")
     return f"\n\n[Reward Goal: {reward_token}]"
 

@@ -28,14 +28,16 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rcgrpo.atomic import atomic_write_text
+from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.errors import UserError
 from rcgrpo.metrics import METRICS_FILE, STANDARD_METRICS, MetricsFileError, read_records
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 __all__ = ["write_report", "plot_metrics", "eval_table_markdown", "ReportError", "main"]
 
 EVAL_FILE = "eval.json"
 REPORT_FILE = "report.md"
-CATEGORY_COLUMNS = ("base", "miss_func", "miss_param", "long_context")
 # One figure per headline quantity; the series that share an axis.
 FIGURES = {
     "reward": ("mean reward", ["reward_mean", "reward_mean_high", "reward_mean_low"]),
@@ -50,8 +52,7 @@ FIGURES = {
     "clip_frac": ("clipped share of tokens", ["clip_frac", "clip_frac_pass1", "clip_frac_pass2"]),
     "dynamic_sampling": ("dynamic sampling per step", ["ds_prompts_drawn", "ds_groups_kept", "ds_groups_dropped"]),
 }
-SERIES_LABEL = {"reward_mean": "all rollouts", "reward_mean_high": "<|high_reward|>",
-                "reward_mean_low": "<|low_reward|>",
+SERIES_LABEL = {"reward_mean": "all rollouts", "reward_mean_high": HIGH_REWARD, "reward_mean_low": LOW_REWARD,
                 "logp_diff_abs_mean": "mean |difference| per token",
                 "seq_log_ratio_mean": "mean log-ratio per sequence",
                 "seq_log_ratio_abs_max": "max |log-ratio| per sequence",
@@ -158,12 +159,12 @@ def _pct(x) -> str:
 
 def eval_table_markdown(rows: Sequence[dict], default_method: str = "this run") -> str:
     """The paper-style table (accuracy in %) for one or more eval results."""
-    head = "| method | " + " | ".join(CATEGORY_COLUMNS) + " | overall |"
-    lines = [head, "|" + "---|" * (len(CATEGORY_COLUMNS) + 2)]
+    head = "| method | " + " | ".join(CATEGORIES) + " | overall |"
+    lines = [head, "|" + "---|" * (len(CATEGORIES) + 2)]
     ns: dict = {}
     for row in rows:
         cats = row.get("categories") or {}
-        values = [cats.get(c) for c in CATEGORY_COLUMNS] + [row.get("overall")]
+        values = [cats.get(c) for c in CATEGORIES] + [row.get("overall")]
         # Fractions are the documented form; a row already in % is left as is.
         scale = 1.0 if any(_numeric(v) and v > 1.0 for v in values) else 100.0
         cells = [_pct(v * scale if _numeric(v) else None) for v in values]
@@ -244,9 +245,7 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     md += ["## Training dynamics", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md += ["## Per-stage summary", ""] + _stage_summary(records)
-    out = run_dir / REPORT_FILE
-    out.write_text("\n".join(md))
-    return out
+    return atomic_write_text(run_dir / REPORT_FILE, "\n".join(md))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

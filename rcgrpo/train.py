@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rcgrpo import distributed
 from rcgrpo.config import PIPELINES, Config, parse_args
 from rcgrpo.errors import run_command
+from rcgrpo.stages import FINETUNE_STAGES, RL_STAGES, TRAINED_STAGES
 
 
 def pick_device(name: str) -> torch.device:
@@ -46,7 +47,7 @@ def training_entries(cfg: Config, tokenizer) -> list:
     """Training split of the configured categories whose opening prompt fits
     `data.max_prompt_tokens`, optionally a seeded subset."""
     from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
-    from rcgrpo.evaluate import named_entries
+    from rcgrpo.evaluation.rollouts import named_entries
     from rcgrpo.prompts import ChatTokens, initial_messages
 
     train, _ = split_train_test(load_entries(cfg.data.categories))
@@ -81,9 +82,6 @@ def claim_fresh_run_dir(cfg: Config) -> None:
         log_line(f"runs/{base} exists: this run uses {cfg.run_dir} (pass --resume to continue {base})")
 
 
-TRAINING_STAGES = ("sft", "rctp", "grpo", "rc-grpo")
-
-
 def model_shape(name_or_path: str, resolved: Path | None = None):
     """The shapes the memory plan needs, read without loading weights: a
     resolved or local folder's config.json and safetensors headers, else a hub
@@ -111,10 +109,10 @@ def check_memory_plan(cfg: Config, device: torch.device, shape) -> None:
 
     pipeline = PIPELINES[cfg.run.pipeline]
     device_bytes = device_memory_bytes(device)
-    for stage in (s for s in cfg.stages if s in TRAINING_STAGES):
+    for stage in (s for s in cfg.stages if s in TRAINED_STAGES):
         earlier = pipeline[:pipeline.index(stage)]
         # The run's one engine lives on once a stage started it.
-        engine_alive = stage in ("grpo", "rc-grpo") or (
+        engine_alive = stage in RL_STAGES or (
             "rctp-data" in earlier and "rctp-data" in cfg.stages and not cfg.rctp.data_file)
         check_stage(plan_stage(shape, cfg, stage, world_size=distributed.world_size(),
                                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -157,7 +155,7 @@ class RunEngine:
 
 def run(cfg: Config) -> int:
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
-    from rcgrpo.evaluate import evaluate, select_entries, write_eval
+    from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
     from rcgrpo.metrics import log_line, quiet_library_progress
     from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
     from rcgrpo.policy import TrainablePolicy
@@ -228,7 +226,7 @@ def run(cfg: Config) -> int:
                 ctx.mark_done(stage, summary(records))
                 log_line(f"[rctp-data] {summary(records)} -> {data_path}")
             distributed.barrier()
-        elif stage in ("rctp", "sft"):
+        elif stage in FINETUNE_STAGES:
             if stage == "rctp":
                 source = data_path if data_path.exists() or not cfg.rctp.data_file else cfg.rctp.data_file
                 trajectories = [r.trajectory() for r in load_records(source)]
@@ -239,12 +237,12 @@ def run(cfg: Config) -> int:
             current = ctx.export_model(stage, policy)
             ctx.mark_done(stage, {"trajectories": len(trajectories)})
             del policy
-        elif stage in ("grpo", "rc-grpo"):
+        elif stage in RL_STAGES:
             live = engine.start(current)
             # LoRA: the reference is the same model with its adapters off, not a second copy.
             policy = TrainablePolicy.load(current, cfg.model, device, reference=cfg.grpo.beta > 0,
                                           token_ids=token_ids)
-            train_rl(ctx, stage, policy, live, entries, reward_conditioned=cfg.finetune_stage == "rctp")
+            train_rl(ctx, stage, policy, live, entries, finetune_stage=cfg.finetune_stage)
             engine.holds = None  # the last update's weights were never pushed
             current = ctx.export_model(stage, policy)
             ctx.mark_done(stage, {"steps": cfg.grpo.steps})

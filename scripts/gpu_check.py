@@ -48,6 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels")]
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
+from rcgrpo.atomic import atomic_write_text  # noqa: E402
 from benchmarks.test_kernels import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
 from kernels_testlib import assert_close  # noqa: E402
 
@@ -71,9 +72,7 @@ class Summary:
 
     def write(self):
         self.data["elapsed_s"] = round(time.time() - self.t0, 1)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(self.data, indent=1, default=str))
 
     @contextlib.contextmanager
     def case(self, name, section, min_left_s=0.0):

@@ -45,15 +45,15 @@ def test_pack_invariants(trajs):
     assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens.tolist()[0] == 0 and b.cu_seqlens[-1] == n
     assert b.input_ids.tolist() == [x for t in trajs for x in t.token_ids]
     assert b.position_ids.tolist() == [p for L in lens for p in range(L)]
-    assert b.sampled_mask.tolist() == [bool(m) for t in trajs for m in t.sample_mask]
+    assert b.sampled_mask.tolist() == [bool(m) for t in trajs for m in t.sampled_mask]
     assert b.loss_mask.dtype == torch.bool and b.targets.dtype == torch.long
     i = 0
     for t in trajs:
         for j in range(len(t)):
             if j + 1 < len(t):
                 assert b.targets[i] == t.token_ids[j + 1]
-                assert bool(b.loss_mask[i]) == bool(t.sample_mask[j + 1])
-                if t.sample_mask[j + 1]:
+                assert bool(b.loss_mask[i]) == bool(t.sampled_mask[j + 1])
+                if t.sampled_mask[j + 1]:
                     assert b.engine_logp[i].item() == pytest.approx(t.logprobs[j + 1])
                     assert b.policy_version[i] == t.versions[j + 1]
                 else:
@@ -94,7 +94,7 @@ def test_logprobs_given_per_sampled_token():
     [
         ([], "at least one"),
         ([Trajectory([], [])], "empty"),
-        ([Trajectory([1, 2], [1])], "sample_mask"),
+        ([Trajectory([1, 2], [1])], "sampled_mask"),
         ([Trajectory([1, 2], [0, 1], logprobs=[1.0, 2.0, 3.0])], "logprobs"),
         ([Trajectory([1, 2], [0, 1], logprobs=[-1.0]), Trajectory([3], [0])], "some trajectories"),
         ([Trajectory([1, -2], [0, 1])], "negative"),

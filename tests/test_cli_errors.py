@@ -15,6 +15,7 @@ from rcgrpo import eval as eval_cli
 from rcgrpo import train as train_cli
 from rcgrpo.atomic import atomic_output
 from rcgrpo.errors import DEBUG_ENV, run_command
+from rcgrpo.evaluation import replay_scoring
 from rcgrpo.models import ModelFolderError
 
 
@@ -135,7 +136,7 @@ def test_replay_out_is_atomic_when_scoring_fails_midway(tmp_path, monkeypatch):
     src.write_text("\n".join(json.dumps({"id": "multi_turn_base_0", "turns": []}) for _ in range(3)) + "\n")
     out.write_text("previous results\n")
     calls = []
-    real = eval_cli._score_line
+    real = replay_scoring._score_line
 
     def fails_on_the_second_line(*args):
         calls.append(1)
@@ -143,9 +144,9 @@ def test_replay_out_is_atomic_when_scoring_fails_midway(tmp_path, monkeypatch):
             raise MemoryError("simulated: the machine ran out of memory")  # cannot be provoked safely for real
         return real(*args)
 
-    monkeypatch.setattr(eval_cli, "_score_line", fails_on_the_second_line)
+    monkeypatch.setattr(replay_scoring, "_score_line", fails_on_the_second_line)
     with pytest.raises(MemoryError):
-        eval_cli.score_replay_file(src, out)
+        replay_scoring.score_replay_file(src, out)
     assert out.read_text() == "previous results\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from rcgrpo.config import parse_args
-from rcgrpo.eval import EvalSettingsError, main, resolve_eval_settings
-from rcgrpo.evaluate import stage_saw_reward_tokens
-from rcgrpo.models import EMBEDDED, REWARD_TOKENS
+from rcgrpo.eval import main
+from rcgrpo.evaluation.settings import EvalSettingsError, resolve_eval_settings
+from rcgrpo.models import EMBEDDED
+from rcgrpo.reward_tokens import REWARD_TOKENS, stage_saw_reward_tokens
 
 
 def flags(**given):
@@ -133,7 +134,7 @@ def test_a_folder_outside_a_run_is_conditioned_only_if_it_has_the_tokens(tmp_pat
 def test_settings_reach_the_rollouts_and_eval_json(in_tmp, monkeypatch, capsys):
     """main() with the engine and the rollouts faked: the resolved settings are
     what evaluate() gets, the source line is printed, eval.json records them."""
-    import rcgrpo.evaluate
+    import rcgrpo.evaluation.rollouts
     import rcgrpo.models
     import rcgrpo.rollout
 
@@ -145,7 +146,7 @@ def test_settings_reach_the_rollouts_and_eval_json(in_tmp, monkeypatch, capsys):
         return {"categories": {"base": 0.0}, "overall": 0.0, "n": {"base": len(entries)}, "reward": {"base": 0.0},
                 "conditioning": conditioning, "settings": {"conditioning": conditioning, "greedy": greedy}, "rows": []}
 
-    monkeypatch.setattr(rcgrpo.evaluate, "evaluate", fake_evaluate)
+    monkeypatch.setattr(rcgrpo.evaluation.rollouts, "evaluate", fake_evaluate)
     monkeypatch.setattr(rcgrpo.models, "resolve_model_folder", lambda m: Path(m))
     monkeypatch.setattr(rcgrpo.models, "load_tokenizer", lambda folder: None)
     monkeypatch.setattr(rcgrpo.rollout, "make_engine", lambda kind, folder, **kw: seen.setdefault("engine", kw))

@@ -1,6 +1,7 @@
 """transformers treats an importable top-level `kernels` module as the Hugging
 Face kernels-hub package when its version looks new enough; ours must never
-be mistaken for it (PLATFORM.md)."""
+be mistaken for it (tests/kernels/test_kernels_import.py checks the same from
+the kernels' side)."""
 import importlib.util
 import subprocess
 import sys

@@ -1,5 +1,6 @@
 """The RCTP data set: expert and failure trajectories, each labelled by the
-reward function and tagged with the matching reward token (PAPER.md).
+reward function and tagged with the matching reward token (the paper, arXiv
+2602.03025; the label rule: rcgrpo.reward_tokens.label_for_reward).
 
 * expert: the ground truth of a training entry, played through the agent loop;
 * failure: rollouts of the starting model on the training entries whose
@@ -26,8 +27,8 @@ from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, scrip
 from rcgrpo.envs.bfcl import Episode
 from rcgrpo.errors import UserError
 from rcgrpo.metrics import log_line, progress
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD
 from rcgrpo.prompts import ChatTokens, initial_messages
+from rcgrpo.reward_tokens import HIGH_REWARD, label_for_reward
 from rcgrpo.rollout.agent_loop import Rollout, RolloutConfig, run_episodes
 
 
@@ -41,16 +42,12 @@ class Record:
     valid: bool
     reward_token: str | None  # the tag its prompt carries (None: untagged SFT data)
     token_ids: list[int]
-    loss_mask: list[int]
+    sampled_mask: list[int]  # 1 on the tokens the policy generated (the ones trained on)
     end_reason: str
 
     def trajectory(self) -> Trajectory:
-        return Trajectory(self.token_ids, self.loss_mask, reward=self.reward,
+        return Trajectory(self.token_ids, self.sampled_mask, reward=self.reward,
                           meta={"entry_id": self.entry_id, "kind": self.kind})
-
-
-def label_token(reward: float) -> str:
-    return HIGH_REWARD if reward >= 1.0 else LOW_REWARD
 
 
 def retag(rollout: Rollout, entry, tokenizer, token: str | None, doc_style: str, kind: str) -> Record:
@@ -62,13 +59,13 @@ def retag(rollout: Rollout, entry, tokenizer, token: str | None, doc_style: str,
     return Record(
         entry_id=rollout.entry_id, kind=kind, reward=rollout.reward, r_state=rollout.r_state,
         r_action=rollout.r_action, valid=rollout.valid, reward_token=token,
-        token_ids=prompt + rollout.token_ids[rest], loss_mask=[0] * len(prompt) + rollout.loss_mask[rest],
+        token_ids=prompt + rollout.token_ids[rest], sampled_mask=[0] * len(prompt) + rollout.sampled_mask[rest],
         end_reason=rollout.end_reason,
     )
 
 
 def _labelled(rollout, entry, tokenizer, kind, doc_style, tagged: bool) -> Record:
-    return retag(rollout, entry, tokenizer, label_token(rollout.reward) if tagged else None, doc_style, kind)
+    return retag(rollout, entry, tokenizer, label_for_reward(rollout.reward) if tagged else None, doc_style, kind)
 
 
 def demonstration_config(config: RolloutConfig) -> RolloutConfig:
@@ -157,10 +154,13 @@ def load_records(path: Path) -> list[Record]:
             continue
         try:
             row = json.loads(line)
+            if isinstance(row, dict) and "loss_mask" in row and "sampled_mask" not in row:
+                # Files written before the field was renamed keep loading (same meaning).
+                row["sampled_mask"] = row.pop("loss_mask")
             record = Record(**row)
         except (json.JSONDecodeError, TypeError) as exc:
             raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno}: {exc}") from None
-        if len(record.token_ids) != len(record.loss_mask):
+        if len(record.token_ids) != len(record.sampled_mask):
             raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno}: ids and mask differ in length")
         records.append(record)
     if not records:

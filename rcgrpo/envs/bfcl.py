@@ -15,7 +15,7 @@ from typing import Any
 
 from rcgrpo.envs import _bfcl  # noqa: F401
 from rcgrpo.envs.calls import Call, DecodeError, Positional, decode_calls
-from rcgrpo.envs.data import CATEGORIES, BFCLEntry, DataError, load_entries
+from rcgrpo.envs.data import BFCLEntry, DataError, load_entries
 from rcgrpo.envs.executor import DEFAULT_CALL_TIMEOUT_S, Executor, build_instances
 from rcgrpo.envs.reward import (
     NOT_EXECUTED_PLACEHOLDER,
@@ -32,7 +32,7 @@ from bfcl_eval.constants.default_prompts import (  # noqa: E402
 )
 
 __all__ = [
-    "CATEGORIES", "BFCLEntry", "DataError", "Episode", "EpisodeResult", "StepResult",
+    "BFCLEntry", "DataError", "Episode", "EpisodeResult", "StepResult",
     "load_entries", "split_train_test", "ground_truth",
 ]
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from rcgrpo.envs import _bfcl  # noqa: F401  (sets BFCL_PROJECT_ROOT before bfcl imports)
 from rcgrpo.envs.calls import Call
 from rcgrpo.envs.data import BFCLEntry
-from rcgrpo.envs.math_worker import StatelessCallRunner
+from rcgrpo.envs.math_worker import StatelessCallRunner, WorkerOutcome
 
 from bfcl_eval.constants.executable_backend_config import (  # noqa: E402
     CLASS_FILE_PATH_MAPPING,
@@ -77,6 +77,22 @@ def format_result(value: Any) -> str:
     return str(value)
 
 
+def _over_time(timeout_s: float) -> str:
+    return f"Error during execution: call exceeded the {timeout_s:g} s limit"
+
+
+def _worker_tool_text(outcome: WorkerOutcome, timeout_s: float) -> tuple[str, bool]:
+    """(tool text, ran) of a call that ran in the stateless worker, worded as
+    an in-process call's would be."""
+    if outcome.kind == WorkerOutcome.RETURNED:
+        return format_result(outcome.detail), True
+    if outcome.kind == WorkerOutcome.RAISED:
+        return f"Error during execution: {outcome.detail}", True
+    if outcome.kind == WorkerOutcome.TIMED_OUT:
+        return _over_time(timeout_s), False
+    return f"Error during execution: worker failed: {outcome.detail}", False
+
+
 class Executor:
     """Runs decoded calls against one episode's instances.
 
@@ -107,9 +123,10 @@ class Executor:
             return f"Error during execution: name '{call.name}' is not defined", False
         class_name, method = self.methods[call.name]
         if class_name in STATELESS_CLASSES:
-            return StatelessCallRunner.shared().run(
+            outcome = StatelessCallRunner.shared().run(
                 CLASS_FILE_PATH_MAPPING[class_name], class_name, call.name, call.kwargs, self.timeout_s
             )
+            return _worker_tool_text(outcome, self.timeout_s)
         try:
             # Fresh argument objects, as the official eval of a string gives:
             # APIs store (and later mutate) the lists they are passed.
@@ -117,7 +134,7 @@ class Executor:
             with _alarm(self.timeout_s):
                 value = method(**kwargs)
         except CallTimeout:
-            return f"Error during execution: call exceeded the {self.timeout_s:g} s limit", False
+            return _over_time(self.timeout_s), False
         except Exception as exc:
             return f"Error during execution: {exc}", True
         return format_result(value), True

@@ -6,6 +6,10 @@ child process that the parent kills when a call exceeds its time bound. The
 classes hold no state, so a killed worker loses nothing; the next call starts
 a new one. Requests and replies are pickled over the child's stdin/stdout:
 both ends are this module, and the payload holds only decoded literals.
+
+The runner reports what became of a call (`WorkerOutcome`), unworded: the
+executor (rcgrpo.envs.executor) turns every call's outcome into tool text,
+so this module needs nothing from it.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import struct
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 _HEADER = struct.Struct("!I")
@@ -42,6 +47,19 @@ def _read_exact(stream, size: int) -> bytes:
 def _recv(stream) -> Any:
     (size,) = _HEADER.unpack(_read_exact(stream, _HEADER.size))
     return pickle.loads(_read_exact(stream, size))
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """What became of one call sent to the worker."""
+
+    RETURNED = "returned"  # detail: the method's return value (its str() if it cannot be pickled)
+    RAISED = "raised"  # detail: the exception's text
+    TIMED_OUT = "timed_out"  # the worker was killed at the time bound; detail None
+    WORKER_FAILED = "worker_failed"  # the call never ran to an answer; detail: what broke
+
+    kind: str
+    detail: Any = None
 
 
 class StatelessCallRunner:
@@ -83,10 +101,8 @@ class StatelessCallRunner:
             self._proc.wait()
         self._proc = None
 
-    def run(self, module: str, class_name: str, method: str, kwargs: dict, timeout_s: float) -> tuple[str, bool]:
-        """(tool text, ran) of `class_name().method(**kwargs)` in the worker."""
-        from rcgrpo.envs.executor import format_result  # the one result formatting
-
+    def run(self, module: str, class_name: str, method: str, kwargs: dict, timeout_s: float) -> WorkerOutcome:
+        """The outcome of `class_name().method(**kwargs)` in the worker."""
         with self._lock:
             try:
                 proc = self._start()
@@ -94,14 +110,12 @@ class StatelessCallRunner:
                 ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
                 if not ready:
                     self.kill()
-                    return f"Error during execution: call exceeded the {timeout_s:g} s limit", False
+                    return WorkerOutcome(WorkerOutcome.TIMED_OUT)
                 ok, value = _recv(proc.stdout)
             except (EOFError, BrokenPipeError, OSError, pickle.UnpicklingError) as exc:
                 self.kill()
-                return f"Error during execution: worker failed: {exc}", False
-        if not ok:
-            return f"Error during execution: {value}", True
-        return value if isinstance(value, str) else format_result(value), True
+                return WorkerOutcome(WorkerOutcome.WORKER_FAILED, str(exc))
+        return WorkerOutcome(WorkerOutcome.RETURNED if ok else WorkerOutcome.RAISED, value)
 
 
 def _serve() -> None:

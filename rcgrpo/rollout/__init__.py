@@ -9,7 +9,10 @@ from .engine import Engine, Generation, SamplingConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Generation", "SamplingConfig", "make_engine", "vllm_available"]
+__all__ = ["ENGINES", "Engine", "Generation", "SamplingConfig", "make_engine", "vllm_available"]
+
+# The engine kinds make_engine builds (run.engine, eval --engine).
+ENGINES = ("auto", "vllm", "hf")
 
 
 def vllm_available() -> bool:
@@ -26,7 +29,7 @@ def make_engine(kind: str, model_path: str | os.PathLike, *, policy=None, **vllm
     `policy` (a models.Policy) is the model the HF engine generates with; when
     absent it is loaded from `model_path`.
     """
-    if kind not in ("auto", "vllm", "hf"):
+    if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}: auto, vllm or hf")
     if kind == "auto":
         kind = "vllm" if vllm_available() else "hf"

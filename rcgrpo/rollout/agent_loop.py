@@ -1,7 +1,7 @@
 """Many multi-turn BFCL episodes at once, token-in / token-out.
 
 Each conversation is a growing list of token ids. The engine's sampled ids are
-appended as they are (loss mask 1); tool results and the next turn's user
+appended as they are (sampled mask 1); tool results and the next turn's user
 messages are appended as the ids of the chat template's rendering of just
 those messages (mask 0). Decoded text only goes to the environment and into a
 readable message log; it is never tokenised again. All live conversations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..metrics import progress
-from ..models import HIGH_REWARD, LOW_REWARD
 from ..prompts import ChatTokens, initial_messages
+from ..reward_tokens import Conditioning, DrawPerRollout, rollout_tokens
 from .engine import Engine, SamplingConfig
 
 
@@ -29,7 +29,6 @@ class RolloutConfig:
     top_k: int = 0
     seed: int = 0
     doc_style: str = "compact"
-    p_high: float = 0.5  # P(<|high_reward|>) when tokens are drawn
     progress: bool = True
     policy_version: int = 0  # the version of the weights the engine holds (recorded per sampled token)
 
@@ -40,7 +39,7 @@ class Rollout:
     group: int  # index of the entry in the call: rollouts of one prompt share it
     reward_token: str | None
     token_ids: list[int]
-    loss_mask: list[int]  # 1 exactly on sampled tokens
+    sampled_mask: list[int]  # 1 exactly on the tokens the engine sampled
     # The engine's log-prob of each sampled token (0.0 elsewhere); None when
     # the engine did not report them for every reply.
     logprobs: list[float] | None
@@ -54,11 +53,6 @@ class Rollout:
     end_reason: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)  # readable log
     versions: list[int] = field(default_factory=list)  # policy version per sampled token, -1 elsewhere
-
-
-def draw_reward_tokens(n: int, p_high: float, rng: random.Random) -> list[str]:
-    """RC-GRPO's r_j ~ P_sample, drawn independently per rollout."""
-    return [HIGH_REWARD if rng.random() < p_high else LOW_REWARD for _ in range(n)]
 
 
 class _Conversation:
@@ -78,7 +72,7 @@ class _Conversation:
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float] | None, sampled: bool) -> None:
         self.r.token_ids.extend(ids)
-        self.r.loss_mask.extend([int(sampled)] * len(ids))
+        self.r.sampled_mask.extend([int(sampled)] * len(ids))
         self.r.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
         self.r.versions.extend([self.cfg.policy_version if sampled else -1] * len(ids))
 
@@ -123,13 +117,14 @@ def run_episodes(
     entries: Sequence,
     group_size: int = 5,
     config: RolloutConfig | None = None,
-    reward_tokens: Sequence[str | None] | str | None = "sample",
+    reward_tokens: Conditioning = DrawPerRollout(),
     episode_factory: Callable | None = None,
 ) -> list[Rollout]:
     """Play `group_size` rollouts of every entry; rollouts come back entry by entry.
 
-    reward_tokens: "sample" draws one per rollout with P(high) = p_high;
-    None conditions on nothing; a list gives one token (or None) per rollout.
+    reward_tokens (rcgrpo.reward_tokens.Conditioning): DrawPerRollout(p_high)
+    draws one per rollout, seeded by `config.seed`; a token, or None, conditions
+    every rollout on it; a list gives one token (or None) per rollout.
     """
     cfg = config or RolloutConfig()
     if episode_factory is None:
@@ -137,14 +132,7 @@ def run_episodes(
     chat = ChatTokens(tokenizer)
     rng = random.Random(cfg.seed)
     n = len(entries) * group_size
-    if reward_tokens == "sample":
-        tokens = draw_reward_tokens(n, cfg.p_high, rng)
-    elif reward_tokens is None:
-        tokens = [None] * n
-    else:
-        tokens = list(reward_tokens)
-        if len(tokens) != n:
-            raise ValueError(f"{len(tokens)} reward tokens for {n} rollouts")
+    tokens = rollout_tokens(reward_tokens, n, rng)
 
     convs: list[_Conversation] = []
     for g, entry in enumerate(entries):

@@ -3,9 +3,10 @@ advantages, the clipped loss with KL to the frozen reference, an optimizer
 step, and the new weights pushed into the rollout engine in place.
 
 RC-GRPO differs from GRPO only in the conditioning of the rollouts: each
-rollout draws its own reward token with P(high) = p (PAPER.md). GRPO after
-RCTP conditions every rollout on <|high_reward|> (what the RCTP policy is
-asked for at evaluation); GRPO after SFT uses no token.
+rollout draws its own reward token with P(high) = p (the paper, arXiv
+2602.03025). GRPO after RCTP conditions every rollout on <|high_reward|>
+(what the RCTP policy is asked for at evaluation); GRPO after SFT uses no
+token (the rule: rcgrpo.reward_tokens.rl_rollout_conditioning).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from rcgrpo import distributed
 from rcgrpo.batch import (PackedBatch, Trajectory, accumulation_weight, balance_micro_batches,
                           informative_sequences, loss_normaliser, pack, pack_micro_batches)
 from rcgrpo.metrics import progress
-from rcgrpo.models import HIGH_REWARD
 from rcgrpo.policy import TrainablePolicy
+from rcgrpo.reward_tokens import rl_rollout_conditioning, short_name
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import awake
 from rcgrpo.training.context import RunContext
@@ -45,13 +46,6 @@ def prompt_schedule(num_entries: int, batch_size: int, steps: int, seed: int) ->
     return [order[s * batch_size:(s + 1) * batch_size] for s in range(steps)]
 
 
-def conditioning(stage: str, reward_conditioned_policy: bool, n: int):
-    """reward_tokens argument of run_episodes for this stage."""
-    if stage == "rc-grpo":
-        return "sample"
-    return [HIGH_REWARD] * n if reward_conditioned_policy else None
-
-
 def group_stats(rollouts) -> dict[str, float]:
     """Reward summaries, overall and per reward token, and the share of groups
     whose rewards are all equal (zero advantage: no gradient)."""
@@ -59,7 +53,7 @@ def group_stats(rollouts) -> dict[str, float]:
     by_token: dict[str, list[float]] = defaultdict(list)
     for r in rollouts:
         by_group[r.group].append(r.reward)
-        by_token[r.reward_token or "none"].append(r.reward)
+        by_token[short_name(r.reward_token)].append(r.reward)
     rewards = [r.reward for r in rollouts]
     out = {
         "reward_mean": sum(rewards) / len(rewards),
@@ -68,8 +62,7 @@ def group_stats(rollouts) -> dict[str, float]:
         "r_state_mean": sum(r.r_state for r in rollouts) / len(rollouts),
         "r_action_mean": sum(r.r_action for r in rollouts) / len(rollouts),
     }
-    for token, values in by_token.items():
-        key = {"<|high_reward|>": "high", "<|low_reward|>": "low"}.get(token, token)
+    for key, values in by_token.items():
         out[f"reward_mean_{key}"] = sum(values) / len(values)
         out[f"rollouts_{key}"] = len(values)
     return out
@@ -90,7 +83,7 @@ class RolloutSummary:
 def gather_summaries(rollouts, group_offset: int) -> list[RolloutSummary]:
     """Every rank's rollouts of the step, in step order (one process's list)."""
     mine = [RolloutSummary(group_offset + r.group, r.reward, r.reward_token, r.valid, r.r_state, r.r_action,
-                           sum(r.loss_mask)) for r in rollouts]
+                           sum(r.sampled_mask)) for r in rollouts]
     return [s for part in distributed.all_gather_objects(mine) for s in part]
 
 
@@ -100,7 +93,7 @@ def to_trajectories(rollouts) -> list[Trajectory]:
     all its tokens or not at all."""
     with_logprobs = all(r.logprobs is not None for r in rollouts)
     return [
-        Trajectory(r.token_ids, r.loss_mask, group=r.group, reward=r.reward,
+        Trajectory(r.token_ids, r.sampled_mask, group=r.group, reward=r.reward,
                    logprobs=r.logprobs if with_logprobs else None, versions=r.versions or None,
                    meta={"entry_id": r.entry_id, "reward_token": r.reward_token})
         for r in rollouts
@@ -431,8 +424,10 @@ def dynamic_sampling(play, first_prompts: Sequence[int], first_rollouts, num_ent
 
 
 def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
-             reward_conditioned: bool) -> dict:
+             finetune_stage: str) -> dict:
     """Run the GRPO / RC-GRPO stage in place on `policy`; resumable.
+    `finetune_stage` ("rctp" or "sft") is the stage `policy` comes from: with
+    `stage` it decides the rollouts' reward tokens (rl_rollout_conditioning).
 
     Per step: the engine wakes, takes the policy's current weights (on the
     first step too: it may hold another stage's weights, or a resumed run's
@@ -455,6 +450,7 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
     settings = RLLossSettings(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type,
                               max_tokens=(float(g.max_total_tokens)
                                           if kernels.get_loss_type(g.loss_type).scaled_by_max_tokens else None))
+    conditioning = rl_rollout_conditioning(stage, finetune_stage, g.p_high)
     last = {}
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         for step in progress(range(start, g.steps), total=g.steps, initial=start, desc=stage):
@@ -462,10 +458,12 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
             version = scheduler.last_epoch
             rollout_cfg = RolloutConfig(
                 max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
-                temperature=g.temperature, top_p=g.top_p,
+                # The loss settings' temperature, so that the engine samples (and reports
+                # log-probs) at exactly the temperature the trainer scores the tokens at.
+                temperature=settings.temperature, top_p=g.top_p,
                 # Each engine group's share of the step gets its own seeds.
                 seed=ctx.cfg.data.seed * 100_003 + step + 1_000_003 * offset,
-                p_high=g.p_high, doc_style=ctx.cfg.data.doc_style, progress=False, policy_version=version,
+                doc_style=ctx.cfg.data.doc_style, progress=False, policy_version=version,
             )
 
             extra_generated = []  # tokens sampled by dynamic sampling's extra draws
@@ -473,11 +471,9 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
             def play(indices, draw, live):
                 step_entries = [entries[i] for i in indices]
                 cfg = dataclasses.replace(rollout_cfg, seed=rollout_cfg.seed + 7_777_777 * draw)
-                out = run_episodes(live, ctx.tokenizer, step_entries, g.group_size, cfg,
-                                   reward_tokens=conditioning(stage, reward_conditioned,
-                                                              len(step_entries) * g.group_size))
+                out = run_episodes(live, ctx.tokenizer, step_entries, g.group_size, cfg, reward_tokens=conditioning)
                 if draw:
-                    extra_generated.extend(sum(r.loss_mask) for r in out)
+                    extra_generated.extend(sum(r.sampled_mask) for r in out)
                 return out
 
             t0 = time.perf_counter()

@@ -7,7 +7,7 @@ import shutil
 import torch
 
 from rcgrpo.data.rctp import save_records
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 from tests.distributed.conftest import python, torchrun
 from tests.training.conftest import chat_record

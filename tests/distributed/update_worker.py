@@ -29,8 +29,8 @@ GROUP_SIZE = 2
 def build_rollouts(tokenizer, path: Path, groups: int = 4) -> Path:
     """`groups` prompts x GROUP_SIZE tagged conversations; later groups are
     longer, so a 2-rank split gives the ranks different micro-batch counts."""
-    from rcgrpo.models import HIGH_REWARD, LOW_REWARD
     from rcgrpo.prompts import ChatTokens, with_reward_goal
+    from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
     chat = ChatTokens(tokenizer)
     rows = []
@@ -43,7 +43,7 @@ def build_rollouts(tokenizer, path: Path, groups: int = 4) -> Path:
             prompt = chat.prompt_ids(messages)
             reply = "[ls(a=True)]" if k % 2 == 0 else "[cd(folder='x'), pwd()]" * (1 + g)
             reply_ids = list(tokenizer(reply, add_special_tokens=False)["input_ids"]) + [chat.eot_id]
-            rows.append({"token_ids": prompt + reply_ids, "sample_mask": [0] * len(prompt) + [1] * len(reply_ids),
+            rows.append({"token_ids": prompt + reply_ids, "sampled_mask": [0] * len(prompt) + [1] * len(reply_ids),
                          "group": g, "reward": float(k % 2 == 0)})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -75,7 +75,7 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
         rows = [json.loads(line) for line in Path(rollouts).read_text().splitlines()]
         groups = sorted({r["group"] for r in rows})
         lo, hi = distributed.rank_slice(groups)
-        mine = [Trajectory(r["token_ids"], r["sample_mask"], group=r["group"], reward=r["reward"])
+        mine = [Trajectory(r["token_ids"], r["sampled_mask"], group=r["group"], reward=r["reward"])
                 for r in rows if r["group"] in groups[lo:hi]]
         ctx = RunContext(cfg, torch.device("cpu"), load_tokenizer(folder), folder)
         optimizer, scheduler = make_optimizer(policy, LR, 0.0, 1, 0.0)

@@ -80,6 +80,13 @@ def test_call_that_runs_too_long_is_stopped_and_reported(entries):
     ep.result()  # the verdict never runs the timed-out calls
 
 
+def test_a_worker_call_that_raises_is_worded_like_an_in_process_one(entries):
+    entry = next(e for e in entries if "MathAPI" in e.involved_classes)
+    step = Episode(entry).step("[add(a=2)]")  # MathAPI runs in the worker process
+    text = step.tool_messages[0]["content"]
+    assert text.startswith("Error during execution: ") and "missing 1 required positional argument" in text
+
+
 def test_errors_come_back_as_tool_text(by_id):
     ep = Episode(by_id["multi_turn_base_0"])
     step = ep.step("[cd(folder='nowhere'), sort(), not_a_function(x=1), cd.x()]")

@@ -4,9 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
+from rcgrpo.models import reward_token_ids
 from rcgrpo.prompts import reward_tag
-from rcgrpo.rollout.agent_loop import RolloutConfig, draw_reward_tokens, run_episodes
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
+from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import Generation
 
 END_REASONS = {"completed", "step_limit", "max_length", "prompt_too_long"}
@@ -58,20 +59,20 @@ def test_incremental_ids_equal_the_full_rendering(tokenizer, entries):
     assert full[:-1] == r.token_ids
     assert tokenizer.decode(full[-1:]) == "\n"
 
-    # The loss mask covers exactly the sampled tokens, in order.
-    sampled = [t for t, m in zip(r.token_ids, r.loss_mask) if m]
+    # The sampled mask covers exactly the sampled tokens, in order.
+    sampled = [t for t, m in zip(r.token_ids, r.sampled_mask) if m]
     assert sampled == [t for ids in engine.sampled for t in ids]
     assert len(r.logprobs) == len(r.token_ids)
-    assert all(lp == -0.5 for lp, m in zip(r.logprobs, r.loss_mask) if m)
-    assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.loss_mask) if not m)
-    assert r.loss_mask[: r.prompt_len] == [0] * r.prompt_len
+    assert all(lp == -0.5 for lp, m in zip(r.logprobs, r.sampled_mask) if m)
+    assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.sampled_mask) if not m)
+    assert r.sampled_mask[: r.prompt_len] == [0] * r.prompt_len
 
 
 def test_reward_tokens_are_drawn_independently_at_p():
-    draws = draw_reward_tokens(20_000, 0.5, random.Random(0))
+    draws = DrawPerRollout(0.5).draw(20_000, random.Random(0))
     assert abs(draws.count(HIGH_REWARD) / len(draws) - 0.5) < 0.02
     assert set(draws) == {HIGH_REWARD, LOW_REWARD}
-    assert draw_reward_tokens(10, 1.0, random.Random(0)) == [HIGH_REWARD] * 10
+    assert DrawPerRollout(1.0).draw(10, random.Random(0)) == [HIGH_REWARD] * 10
 
 
 class Hijack:
@@ -117,14 +118,14 @@ def test_end_to_end_two_entries_g5_with_hostile_calls(vllm_engine, tokenizer, en
     for r in rollouts:
         assert r.end_reason in END_REASONS and r.reward in (0.0, 1.0)
         assert r.steps >= 1 and len(r.token_ids) <= FAST.max_total_tokens
-        assert len(r.token_ids) == len(r.loss_mask) == len(r.logprobs)
+        assert len(r.token_ids) == len(r.sampled_mask) == len(r.logprobs)
         # The tag sits in the first user message, and its token once in the ids.
         first_user = next(m for m in r.messages if m["role"] == "user")
         assert first_user["content"].endswith(reward_tag(r.reward_token))
         assert r.token_ids[: r.prompt_len].count(ids[r.reward_token]) == 1
         assert r.token_ids.count(ids[HIGH_REWARD]) + r.token_ids.count(ids[LOW_REWARD]) == 1
     # Every sampled token is in some rollout under mask 1, and nothing else is.
-    assert sum(sum(r.loss_mask) for r in rollouts) == engine.sampled_total
+    assert sum(sum(r.sampled_mask) for r in rollouts) == engine.sampled_total
     # The hostile rollout went on after its rejected calls.
     assert len(rollouts[0].messages) > 3 and rollouts[0].steps >= 2
 
@@ -141,4 +142,4 @@ def test_max_total_tokens_ends_cleanly_with_a_reward(vllm_engine, tokenizer, ent
         assert r.end_reason == "max_length", r.end_reason
         assert len(r.token_ids) <= limit and r.reward == 0.0 and not r.valid
     [tiny] = run_episodes(vllm_engine, tokenizer, [entry], 1, replace(FAST, max_total_tokens=100))
-    assert tiny.end_reason == "prompt_too_long" and tiny.steps == 0 and sum(tiny.loss_mask) == 0
+    assert tiny.end_reason == "prompt_too_long" and tiny.steps == 0 and sum(tiny.sampled_mask) == 0

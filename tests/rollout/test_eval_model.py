@@ -11,7 +11,7 @@ def eval_cli(*args):
 
 
 def test_eval_model_writes_the_table(tmp_path):
-    from rcgrpo.evaluate import select_entries
+    from rcgrpo.evaluation.rollouts import select_entries
 
     out = tmp_path / "eval"
     wanted = select_entries("test", ["base"], None)[1].id  # not the first: --ids must really select

@@ -9,8 +9,9 @@ import torch
 from rcgrpo.batch import pack
 from rcgrpo.config import LoraConfig
 from rcgrpo.lora import wrap
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
+from rcgrpo.models import reward_token_ids
 from rcgrpo.policy import TrainablePolicy
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.rollout.engine import SamplingConfig
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rcgrpo import models
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD, ModelFolderError
+from rcgrpo.models import ModelFolderError
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, REWARD_TOKEN_PHRASES
 
 
 def test_embedded_policy_has_distinct_phrase_mean_reward_rows_and_tied_embeddings(policy):
@@ -22,7 +23,7 @@ def test_embedded_policy_has_distinct_phrase_mean_reward_rows_and_tied_embedding
     assert emb.shape[0] == len(tok) == model.config.vocab_size == 49154
     assert model.config.tie_word_embeddings
     assert model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
-    for t, phrase in models.REWARD_TOKEN_PHRASES.items():
+    for t, phrase in REWARD_TOKEN_PHRASES.items():
         phrase_ids = tok(phrase, add_special_tokens=False)["input_ids"]
         assert phrase_ids and max(phrase_ids) < 49152
         # The copy is fp32 like the dequantized GGUF: no rounding to undo.
@@ -108,7 +109,7 @@ def test_toy_model_gets_phrase_mean_rows_without_shrinking_or_rounding(tmp_path,
     for key in keys:
         old, new = before[key], after[key]
         assert new.shape[0] == rows
-        for t, phrase in models.REWARD_TOKEN_PHRASES.items():
+        for t, phrase in REWARD_TOKEN_PHRASES.items():
             phrase_ids = tok(phrase, add_special_tokens=False)["input_ids"]
             assert len(phrase_ids) == 2
             torch.testing.assert_close(new[ids[t]].float(), old[phrase_ids].float().mean(0), rtol=2**-8, atol=0)

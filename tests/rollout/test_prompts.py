@@ -4,8 +4,8 @@ import json
 import pytest
 
 from rcgrpo.envs.bfcl import Episode
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD
 from rcgrpo.prompts import ChatTokens, format_docs, initial_messages, reward_tag, system_prompt, with_reward_goal
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 
 def test_reward_tag_goes_on_the_first_user_message_only():

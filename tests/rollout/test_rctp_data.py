@@ -1,10 +1,13 @@
 """RCTP data: every trajectory labelled by the environment, tagged to match,
 1:1 expert:failure, saved and reloaded exactly. (Here to share the vLLM engine.)"""
+import json
+
 import pytest
 
 from rcgrpo.data.rctp import RctpDataError, build_rctp, load_records, save_records, summary
 from rcgrpo.envs.bfcl import load_entries, split_train_test
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
+from rcgrpo.models import reward_token_ids
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.rollout.agent_loop import RolloutConfig
 
 CFG = RolloutConfig(max_new_tokens=12, max_total_tokens=6144, doc_style="compact_no_response", progress=False)
@@ -26,9 +29,9 @@ def test_rctp_records_are_labelled_tagged_and_balanced(vllm_engine, tokenizer, b
     ids = reward_token_ids(tokenizer)
     for r in records:
         assert r.reward_token == (HIGH_REWARD if r.reward == 1.0 else LOW_REWARD)  # label from the reward
-        prompt = r.token_ids[: r.loss_mask.index(1)]
+        prompt = r.token_ids[: r.sampled_mask.index(1)]
         assert prompt.count(ids[r.reward_token]) == 1
-        assert len(r.token_ids) == len(r.loss_mask) and sum(r.loss_mask) > 0
+        assert len(r.token_ids) == len(r.sampled_mask) and sum(r.sampled_mask) > 0
     path = save_records(records, tmp_path / "rctp.jsonl")
     assert load_records(path) == records
 
@@ -57,3 +60,15 @@ def test_malformed_rctp_file_is_named(tmp_path):
     bad.write_text("\n\n")
     with pytest.raises(RctpDataError, match="holds no records"):
         load_records(bad)
+
+
+def test_a_file_with_the_old_mask_key_still_loads(tmp_path):
+    """RCTP files written before Record.loss_mask became sampled_mask."""
+    row = {"entry_id": "e", "kind": "expert", "reward": 1.0, "r_state": 1.0, "r_action": 1.0, "valid": True,
+           "reward_token": HIGH_REWARD, "token_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "end_reason": "completed"}
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps(row) + "\n")
+    (record,) = load_records(old)
+    assert record.sampled_mask == [0, 1, 1]
+    save_records([record], tmp_path / "new.jsonl")
+    assert load_records(tmp_path / "new.jsonl") == [record]

@@ -11,7 +11,8 @@ import kernels
 from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
 from rcgrpo.data.expert import expert_turns, play_script, script_from_turns
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
+from rcgrpo.models import reward_token_ids
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import SamplingConfig
 from rcgrpo.policy import TrainablePolicy
@@ -62,8 +63,8 @@ def moved(a, b) -> bool:
 def test_reward_tokens_reach_each_rollouts_prompt_as_drawn(vllm_engine, tokenizer, short_entry):
     ids = reward_token_ids(tokenizer)
     rollouts = run_episodes(vllm_engine, tokenizer, [short_entry], group_size=4,
-                            config=dataclasses.replace(ROLLOUT, max_new_tokens=4, p_high=0.5, seed=11),
-                            reward_tokens="sample")
+                            config=dataclasses.replace(ROLLOUT, max_new_tokens=4, seed=11),
+                            reward_tokens=DrawPerRollout(p_high=0.5))
     drawn = [r.reward_token for r in rollouts]
     assert set(drawn) <= {HIGH_REWARD, LOW_REWARD}
     for r in rollouts:

@@ -70,7 +70,7 @@ def test_each_rl_step_wakes_swaps_generates_and_sleeps_before_the_update(tiny_fo
                                                   reference=False).model, tokenizer))
     spy.sleep()  # how train.py hands it over: asleep since its start
     spy.calls.clear()
-    train_rl(ctx, "rc-grpo", policy, spy, [train[0]], reward_conditioned=True)
+    train_rl(ctx, "rc-grpo", policy, spy, [train[0]], finetune_stage="rctp")
 
     phase = ["wake_up", "load_weights", "generate", "sleep"]
     assert spy.calls == phase * 2, spy.calls

@@ -5,7 +5,7 @@ import torch
 
 from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
-from rcgrpo.models import HIGH_REWARD
+from rcgrpo.reward_tokens import HIGH_REWARD
 from rcgrpo.policy import TrainablePolicy
 from rcgrpo.training.losses import sft_loss
 from tests.training.conftest import chat_record

@@ -20,7 +20,8 @@ from rcgrpo.batch import pack
 from rcgrpo.checkpoint import CheckpointError
 from rcgrpo.config import ConfigError, LoraConfig, parse_args
 from rcgrpo.lora import ADAPTER_DIR, adapters_off, is_lora, unwrap, wrap
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD, reward_token_ids
+from rcgrpo.models import reward_token_ids
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.policy import TrainablePolicy
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune

@@ -16,7 +16,7 @@ import torch
 
 from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
-from rcgrpo.models import HIGH_REWARD
+from rcgrpo.reward_tokens import HIGH_REWARD
 from rcgrpo.policy import PackedLM, TrainablePolicy
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer

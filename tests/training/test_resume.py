@@ -16,7 +16,7 @@ import torch
 
 from rcgrpo.checkpoint import folder_weights
 from rcgrpo.data.rctp import save_records
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 from tests.training.conftest import chat_record, save_tiny_llama
 

@@ -173,7 +173,7 @@ def test_train_rl_with_dynamic_sampling_keeps_only_informative_groups(tmp_path, 
     solvable = [base_entries[i].id for i in range(len(base_entries)) if i not in scheduled]
     engine = PerPromptEngine(tokenizer, base_entries, solvable)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-    train_rl(ctx, "grpo", policy, engine, base_entries, reward_conditioned=False)
+    train_rl(ctx, "grpo", policy, engine, base_entries, finetune_stage="sft")
     (row,) = _metrics(tmp_path)
     assert (row["ds_draws"], row["ds_prompts_drawn"], row["ds_groups_kept"], row["ds_groups_dropped"]) == (2, 4, 2, 2)
     assert sorted(set(engine.played[4:])) == sorted(solvable) and len(engine.played) == 8
@@ -191,7 +191,7 @@ def test_a_step_with_nothing_informative_makes_no_pass(tmp_path, tokenizer, tiny
     hook = policy.model.register_forward_hook(lambda *_: passes.append(1))
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     try:
-        train_rl(ctx, "grpo", policy, engine, base_entries, reward_conditioned=False)
+        train_rl(ctx, "grpo", policy, engine, base_entries, finetune_stage="sft")
     finally:
         hook.remove()
     (row,) = _metrics(tmp_path)
@@ -275,7 +275,7 @@ def test_mini_batches_take_one_step_each(tmp_path, tokenizer, tiny_folder, sampl
     out = rl_step(ctx, policy, opt, sched, to_trajectories(sampled), RLLossSettings(beta=0.0),
                   UpdateSettings(updates_per_batch=2, mini_batches=2))
     assert out["updates"] == 4 and sched.last_epoch == 4
-    assert out["loss_tokens"] == sum(sum(r.loss_mask) for r in sampled)
+    assert out["loss_tokens"] == sum(sum(r.sampled_mask) for r in sampled)
 
 
 def _grads(policy):
@@ -331,7 +331,7 @@ def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     policy = _fresh(tiny_folder)
     engine = HFEngine(_fresh(tiny_folder).model, tokenizer)
-    train_rl(ctx, "rc-grpo", policy, engine, base_entries[:1], reward_conditioned=True)
+    train_rl(ctx, "rc-grpo", policy, engine, base_entries[:1], finetune_stage="rctp")
     rows = [json.loads(x) for x in (tmp_path / "agree" / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [0, 1]
     for r in rows:

@@ -8,29 +8,10 @@ from pathlib import Path
 from typing import Sequence
 
 from rcgrpo.atomic import atomic_write_text
-from rcgrpo.envs.bfcl import CATEGORIES, load_entries, split_train_test
-from rcgrpo.models import HIGH_REWARD, LOW_REWARD
+from rcgrpo.envs.bfcl import load_entries, split_train_test
+from rcgrpo.envs.data import CATEGORIES
+from rcgrpo.reward_tokens import token_named
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
-
-TOKENS = {"high": HIGH_REWARD, "low": LOW_REWARD, "none": None}
-TRAINED_STAGES = ("rctp", "sft", "grpo", "rc-grpo")  # the stages that leave a models/<stage> folder
-
-
-def stage_saw_reward_tokens(stage: str, finetune_stage: str) -> bool:
-    """Whether the policy that `stage` leaves was trained with reward tokens in
-    its prompts, so that evaluating it under a token asks what it learnt.
-
-    `finetune_stage` is the run's fine-tuning stage (``Config.finetune_stage``:
-    "rctp" or "sft"). "rctp" and "rc-grpo" train on tagged prompts; "grpo"
-    inherits the tokens only from an RCTP start (its rollouts carry the high
-    token then, as in ``rcgrpo.train``); "sft", and "grpo" after sft, never
-    saw them. Every exported folder's tokenizer holds the tokens regardless
-    (rcgrpo adds them to any model), so the stage, not the tokenizer, decides.
-    Raises ValueError for a name that is not a training stage.
-    """
-    if stage not in TRAINED_STAGES:
-        raise ValueError(f"{stage!r} is not a training stage (one of {TRAINED_STAGES})")
-    return stage in ("rctp", "rc-grpo") or (stage == "grpo" and finetune_stage == "rctp")
 
 
 def select_entries(split: str, categories: Sequence[str], subset: int | None) -> list:
@@ -66,9 +47,8 @@ def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", g
     "n": {cat: entries}, "reward": {cat: mean reward}, "rows": per entry}."""
     config = RolloutConfig(max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
                            temperature=0.0 if greedy else temperature, seed=seed, doc_style=doc_style)
-    token = TOKENS[conditioning]
     rollouts = run_episodes(engine, tokenizer, list(entries), group_size=1, config=config,
-                            reward_tokens=[token] * len(entries))
+                            reward_tokens=token_named(conditioning))
     by_cat: dict[str, list] = defaultdict(list)
     rows = []
     for entry, r in zip(entries, rollouts):
