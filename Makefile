@@ -18,7 +18,7 @@ CLASHING := torchvision torchaudio torchcodec
 
 export BFCL_PROJECT_ROOT ?= $(CURDIR)/.cache/bfcl
 
-.PHONY: install train test bench gpu-check gpu-wheels clean
+.PHONY: install train test lint bench gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ train: install
 
 test: install
 	$(BIN)/python -m pytest tests/ -q
+
+# Style and the mistakes a linter finds (unused names, undefined names, import
+# order, bugbear's traps); the rules are in pyproject.toml [tool.ruff].
+lint: install
+	$(BIN)/ruff check .
 
 bench: install
 	$(BIN)/python -m pytest benchmarks/ --benchmark-only

@@ -296,9 +296,8 @@ def worker(args, mode: str, name: str, **flags) -> dict:
 
 
 def rl_arm(args, arm: str, start: Path) -> list[dict]:
-    from rcgrpo.metrics import read_records
-
     from rcgrpo.config import PIPELINES, RL_STAGES
+    from rcgrpo.metrics import read_records
 
     name = f"arm-{arm.replace('+', '_')}"
     rl_stage = next(s for s in PIPELINES[arm] if s in RL_STAGES)
@@ -420,7 +419,7 @@ def plot(results: dict, path: Path) -> None:
         axes[0].set(xticks=[0, 1], xticklabels=list(REWARD_TOKENS), ylim=(0, 1),
                     title="(a) RCTP: sampled reward by token (95%)")
     b = results.get("zero_variance", {})
-    for x, (arm, z) in enumerate(b.items()):
+    for x, z in enumerate(b.values()):
         axes[1].bar(x, z["share"])
         axes[1].errorbar(x, z["share"], yerr=error_bar(z["share"], z["ci"]), color="k",
                          capsize=6)
@@ -489,7 +488,8 @@ def main(argv=None) -> int:
         results["controllability"] = {"high": hi_r, "low": lo_r, "difference": {"value": e, "ci": [lo_d, hi_d]},
                                       "variance_bound": (g - 1) / g * 0.25 * e * e}
         results["probes"] = {
-            "base (before RCTP)": worker(args, "probe", "probe-base", model=resolve_model_folder(None), records=records),
+            "base (before RCTP)": worker(args, "probe", "probe-base", model=resolve_model_folder(None),
+                                         records=records),
             "RCTP": worker(args, "probe", "probe-rctp", model=starts["rctp"], records=records),
             "SFT (never saw the tokens)": worker(args, "probe", "probe-sft", model=starts["sft"], records=records),
         }

@@ -81,7 +81,8 @@ def test_engine_logprobs_and_tis_overhead(benchmark):
     for k, s in sec.items():
         print(f"\n{k}: {tokens / s:.0f} tokens/s ({s:.2f} s per update of {tokens} tokens, "
               f"{result['loss_tokens']} loss tokens)")
-    print(f"overhead vs plain: agreement {100 * (ratios['agreement'] - 1):+.1f}%, tis {100 * (ratios['tis'] - 1):+.1f}%")
+    print(f"overhead vs plain: agreement {100 * (ratios['agreement'] - 1):+.1f}%, "
+          f"tis {100 * (ratios['tis'] - 1):+.1f}%")
     # Same gradients' loss without TIS; TIS reweights it.
     assert abs(result["losses"]["agreement"] - result["losses"]["plain"]) < 1e-6
     assert ratios["agreement"] < 1.03 and ratios["tis"] < 1.03

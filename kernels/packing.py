@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+
 def next_token_targets(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

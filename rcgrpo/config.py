@@ -36,8 +36,8 @@ from rcgrpo.atomic import atomic_write_text
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.errors import UserError
 from rcgrpo.prompts import DOC_STYLES
-from rcgrpo.rollout import ENGINES
 from rcgrpo.reward_tokens import CONDITIONING_NAMES, HIGH_REWARD, default_eval_conditioning
+from rcgrpo.rollout import ENGINES
 from rcgrpo.stages import DYNAMIC_SAMPLING_PIPELINES, PAPER_RL_BATCH, PIPELINES, RL_STAGES
 
 try:

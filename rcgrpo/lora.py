@@ -113,7 +113,8 @@ def _lora_layers(model) -> dict[str, tuple[object, list[str]]]:
     the exception: `head_weight` and `merged_weights` apply them).
     """
     _peft()
-    from peft.tuners.lora import Linear as LoraLinear, LoraLayer
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
     out = {}

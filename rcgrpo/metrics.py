@@ -33,7 +33,8 @@ from rcgrpo.atomic import atomic_output
 from rcgrpo.errors import UserError
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
-__all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress", "log_line"]
+__all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress",
+           "quiet_library_progress", "log_line"]
 
 METRICS_FILE = "metrics.jsonl"
 DROPPED_FILE = "metrics.dropped.jsonl"

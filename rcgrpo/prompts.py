@@ -65,6 +65,8 @@ def official_system_prompt(docs: Sequence[dict[str, Any]]) -> str:
     filled here from the same pieces.
     """
     from .envs import _bfcl  # noqa: F401  (points bfcl_eval at a scratch folder)
+
+    # isort: split
     from bfcl_eval.constants.default_prompts import (
         OUTPUT_FORMAT_MAPPING,
         PARAM_TYPE_MAPPING,

@@ -22,7 +22,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives
 
 import numpy as np
 import torch
-
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rcgrpo import distributed
@@ -61,7 +60,8 @@ def training_entries(cfg: Config, tokenizer) -> list:
     ]
     if cfg.data.entry_ids is not None and len(fitting) < len(train):
         too_long = sorted({e.id for e in train} - {e.id for e in fitting})
-        raise SystemExit(f"data.entry_ids: {too_long} have prompts over data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+        raise SystemExit(f"data.entry_ids: {too_long} have prompts over "
+                         f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if not fitting:
         raise SystemExit(f"no training entry has a prompt under data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if cfg.data.train_subset is not None and cfg.data.train_subset < len(fitting):

@@ -46,11 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels")]
 
 import torch  # noqa: E402
+from kernels_testlib import assert_close  # noqa: E402
 
 import kernels  # noqa: E402
-from rcgrpo.atomic import atomic_write_text  # noqa: E402
 from benchmarks.test_kernels import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
-from kernels_testlib import assert_close  # noqa: E402
+from rcgrpo.atomic import atomic_write_text  # noqa: E402
 
 GIB = 1 << 30
 
@@ -379,7 +379,7 @@ def train_step_case(rec, kind, device, dry, seqs, seq_len, micro_tokens):
                micro_batches=len(micro), attention=str(model.config._attn_implementation), paths=out)
     if "tokens_per_s" in out.get("fused", {}) and "tokens_per_s" in out.get("reference", {}):
         rec["fused_speedup"] = round(out["fused"]["tokens_per_s"] / out["reference"]["tokens_per_s"], 2)
-    del model, policy, opt
+    model = policy = opt = None  # frees the model before the next case (step() holds these names)
 
 
 # ------------------------------------------------- 4. the kernel unit tests

@@ -83,7 +83,8 @@ def expert_records(entries: Sequence, tokenizer, config: RolloutConfig, tagged: 
     return out
 
 
-def failure_records(engine, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int, needed: int) -> list[Record]:
+def failure_records(engine, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int,
+                    needed: int) -> list[Record]:
     """Reward-0 rollouts of the starting model (unconditioned), at most one per
     entry first, so failures spread over entries."""
     if needed <= 0 or attempts <= 0:

@@ -13,7 +13,11 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from rcgrpo.envs import _bfcl  # noqa: F401
+from bfcl_eval.constants.default_prompts import (
+    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
+    MAXIMUM_STEP_LIMIT,
+)
+
 from rcgrpo.envs.calls import Call, DecodeError, Positional, decode_calls
 from rcgrpo.envs.data import BFCLEntry, DataError, load_entries
 from rcgrpo.envs.executor import DEFAULT_CALL_TIMEOUT_S, Executor, build_instances
@@ -25,11 +29,6 @@ from rcgrpo.envs.reward import (
     state_reward,
 )
 from rcgrpo.envs.split import split_train_test
-
-from bfcl_eval.constants.default_prompts import (  # noqa: E402
-    DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
-    MAXIMUM_STEP_LIMIT,
-)
 
 __all__ = [
     "BFCLEntry", "DataError", "Episode", "EpisodeResult", "StepResult",

@@ -138,7 +138,8 @@ def load_category(category: str, root: Path | None = None) -> list[BFCLEntry]:
         if entry_id not in answers:
             raise DataError(f"no ground truth for {entry_id} in {apath}")
         if len(answers[entry_id]) != len(turns):
-            raise DataError(f"{entry_id}: {len(turns)} turns but {len(answers[entry_id])} ground-truth turns in {apath}")
+            raise DataError(f"{entry_id}: {len(turns)} turns but {len(answers[entry_id])} ground-truth turns "
+                            f"in {apath}")
         docs = [d for c in classes for d in function_docs(c, root)]
         missed = {int(t): list(names) for t, names in row.get("missed_function", {}).items()}
         entries.append(

@@ -16,15 +16,14 @@ import signal
 import threading
 from typing import Any, Callable
 
-from rcgrpo.envs import _bfcl  # noqa: F401  (sets BFCL_PROJECT_ROOT before bfcl imports)
-from rcgrpo.envs.calls import Call
-from rcgrpo.envs.data import BFCLEntry
-from rcgrpo.envs.math_worker import StatelessCallRunner, WorkerOutcome
-
-from bfcl_eval.constants.executable_backend_config import (  # noqa: E402
+from bfcl_eval.constants.executable_backend_config import (
     CLASS_FILE_PATH_MAPPING,
     STATELESS_CLASSES,
 )
+
+from rcgrpo.envs.calls import Call
+from rcgrpo.envs.data import BFCLEntry
+from rcgrpo.envs.math_worker import StatelessCallRunner, WorkerOutcome
 
 # The official executor refuses these names before `eval` (multi_turn_utils).
 REFUSED_NAMES = frozenset({"kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"})

@@ -7,14 +7,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
 
-from rcgrpo.envs import _bfcl  # noqa: F401
+from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context
+from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
+
 from rcgrpo.envs.calls import Call, decode_calls
 from rcgrpo.envs.data import BFCLEntry
 from rcgrpo.envs.executor import Executor, build_instances
-
-from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils  # noqa: E402
-from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context  # noqa: E402
-from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker  # noqa: E402
 
 # Stands in, in the checker's input, for a call this project did not run
 # (rejected as unsafe, refused, timed out). Evaluating it only raises

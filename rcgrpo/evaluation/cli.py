@@ -37,8 +37,8 @@ from rcgrpo.errors import DEBUG_ENV, DEBUG_FLAG, run_command
 from rcgrpo.evaluation.replay_scoring import ground_truth_table, print_table, score_replay_file
 from rcgrpo.evaluation.settings import resolve_eval_settings
 from rcgrpo.prompts import DOC_STYLES
-from rcgrpo.rollout import ENGINES
 from rcgrpo.reward_tokens import CONDITIONING_NAMES
+from rcgrpo.rollout import ENGINES
 
 
 def evaluate_model(args) -> int:

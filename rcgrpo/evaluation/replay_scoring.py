@@ -20,9 +20,9 @@ def score_replay_file(src: Path, dst: Path, positional: str = "drop") -> tuple[i
     try:
         lines = src.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise SystemExit(f"cannot read replay file {src}: {exc.strerror or exc}")
+        raise SystemExit(f"cannot read replay file {src}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise SystemExit(f"replay file {src} is not UTF-8 text (byte {exc.start}: {exc.reason})")
+        raise SystemExit(f"replay file {src} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     scored = errors = 0
     # Atomic: a crash leaves the previous --out file (or none), never part of one.
     with atomic_output(dst) as out:

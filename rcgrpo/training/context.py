@@ -16,6 +16,7 @@ from rcgrpo.config import Config
 from rcgrpo.metrics import DiscardingLogger, MetricsLogger, log_line
 from rcgrpo.policy import TrainablePolicy
 
+
 @dataclass
 class RunContext:
     cfg: Config

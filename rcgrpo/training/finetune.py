@@ -7,7 +7,6 @@ import random
 import time
 from typing import Sequence
 
-
 from rcgrpo import distributed
 from rcgrpo.batch import Trajectory, pack, pack_micro_batches
 from rcgrpo.metrics import progress
@@ -66,7 +65,8 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
             last = log.log(step + 1, loss=stats_sum / max(tokens, 1), grad_norm=grad_norm,
                            lr=scheduler.get_last_lr()[0], tokens_per_s=round(counts["tokens"]) / elapsed,
                            update_s=elapsed, loss_tokens=tokens)
-            if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < total_steps:
+            every = ctx.cfg.run.checkpoint_every
+            if every and (step + 1) % every == 0 and step + 1 < total_steps:
                 ctx.save(stage, step + 1, policy, optimizer, scheduler)
     policy.eval_mode()
     return last

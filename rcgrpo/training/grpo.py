@@ -21,8 +21,16 @@ import torch
 
 import kernels
 from rcgrpo import distributed
-from rcgrpo.batch import (PackedBatch, Trajectory, accumulation_weight, balance_micro_batches,
-                          informative_sequences, loss_normaliser, pack, pack_micro_batches)
+from rcgrpo.batch import (
+    PackedBatch,
+    Trajectory,
+    accumulation_weight,
+    balance_micro_batches,
+    informative_sequences,
+    loss_normaliser,
+    pack,
+    pack_micro_batches,
+)
 from rcgrpo.metrics import progress
 from rcgrpo.policy import TrainablePolicy
 from rcgrpo.reward_tokens import rl_rollout_conditioning, short_name
