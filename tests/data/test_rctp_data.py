@@ -1,5 +1,5 @@
 """RCTP data: every trajectory labelled by the environment, tagged to match,
-1:1 expert:failure, saved and reloaded exactly. (Here to share the vLLM engine.)"""
+1:1 expert:failure, saved and reloaded exactly."""
 import pytest
 
 from rcgrpo.data.rctp import RctpDataError, build_rctp, load_records, save_records, summary
