@@ -18,7 +18,7 @@ CLASHING := torchvision torchaudio torchcodec
 
 export BFCL_PROJECT_ROOT ?= $(CURDIR)/.cache/bfcl
 
-.PHONY: install train test lint bench gpu-check gpu-wheels clean
+.PHONY: install train test test-fast lint bench gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ train: install
 
 test: install
 	$(BIN)/python -m pytest tests/ -q
+
+# The inner loop: the suite without tests marked slow (model loads, vLLM,
+# torchrun, anything over ~2 s on 2 cores); `make test` still runs them all.
+test-fast: install
+	$(BIN)/python -m pytest tests/ -q -m "not slow"
 
 # Style and the mistakes a linter finds (unused names, undefined names, import
 # order, bugbear's traps); the rules are in pyproject.toml [tool.ruff].

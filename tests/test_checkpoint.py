@@ -221,6 +221,7 @@ def test_restore_missing_part_is_clear(tmp_path):
         load_latest(tmp_path).restore(optimizer=opt)
 
 
+@pytest.mark.slow  # a subprocess killed at every line of a save (~10 s)
 def test_kill_at_every_line_of_a_save_resumes_from_the_newest_complete_checkpoint(tmp_path):
     """A real process is SIGKILLed just before each distinct line a save runs
     (tests/crashpoints.py), for a new step and for a re-save of a step; the

@@ -6,7 +6,10 @@ import importlib.util
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a subprocess imports transformers (~2-2.5 s)
 def test_transformers_does_not_take_our_kernels_for_the_hub_package():
     assert importlib.util.find_spec("kernels") is not None, "the project's kernels package is not importable"
     code = (

@@ -6,6 +6,7 @@ live model: no checkpoint on disk, no server, no copy through a socket.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -277,3 +278,16 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+
+    def close(self) -> None:
+        """Free the engine's model and KV cache now; the engine is unusable after.
+
+        vLLM's engine core gc.freeze()s what it allocates at start-up, so
+        dropping the last reference alone frees nothing; its shutdown
+        unfreezes those objects (and ends its in-process world group).
+        """
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()

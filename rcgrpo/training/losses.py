@@ -6,7 +6,7 @@ the hidden states go straight into `kernels.fused_linear_*`, which project
 only the loss rows onto the vocabulary, chunk by chunk (Triton on CUDA,
 chunked PyTorch on CPU), never building [N, V] logits. Reference: full logits
 and the plain PyTorch ops in `kernels.reference`. Both compute the same
-numbers (tests/rollout/test_train_steps.py).
+numbers (tests/training/test_train_steps.py).
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ run ends where the 2-rank run ended: same weights after the same steps."""
 import json
 import shutil
 
+import pytest
 import torch
 
 from rcgrpo.data.rctp import save_records
@@ -11,6 +12,8 @@ from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 from tests.distributed.conftest import python, torchrun
 from tests.training.conftest import chat_record
+
+pytestmark = pytest.mark.slow  # torchrun: 2 ranks train the 135M model, then 1 process resumes (~37 s)
 
 LR = 1e-4
 

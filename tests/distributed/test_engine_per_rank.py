@@ -9,6 +9,8 @@ import pytest
 from tests.distributed.conftest import torchrun
 from tests.required import require
 
+pytestmark = pytest.mark.slow  # torchrun: 2 ranks, each with the 135M model and a vLLM engine (~33 s)
+
 SCRIPT = """
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -1,7 +1,11 @@
 """A rank that raises ends the whole job, non-zero, in bounded time, with the
 rank and the error named; peers blocked in a collective do not hang."""
 
+import pytest
+
 from tests.distributed.conftest import torchrun
+
+pytestmark = pytest.mark.slow  # torchrun jobs that must fail in bounded time (~5 s, ~3 s)
 
 # Rank 1 raises while rank 0 waits in an all-reduce that rank 1 never joins.
 SCRIPT = """

@@ -6,10 +6,13 @@ gradient's scale, so the scale is checked through the logged loss and the
 global gradient norm, and the direction through the updated weights."""
 import json
 
+import pytest
 import torch
 
 from tests.distributed.conftest import python, torchrun
 from tests.distributed.update_worker import LR, build_rollouts
+
+pytestmark = pytest.mark.slow  # torchrun: 2 ranks and 1 process each train the model (~50 s, ~18 s)
 
 WORKER = ["-m", "tests.distributed.update_worker"]
 

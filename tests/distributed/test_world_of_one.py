@@ -35,6 +35,7 @@ print("plain")
 """
 
 
+@pytest.mark.slow  # a subprocess imports vLLM to make its group (~3 s)
 def test_a_process_group_made_by_vllm_is_not_a_torchrun_world():
     from tests.distributed.conftest import python
 

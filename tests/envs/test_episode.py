@@ -69,6 +69,7 @@ def test_force_termination_on_the_last_turn_is_still_checked(by_id):
     assert ep.end_reason == "step_limit" and ep.result().valid
 
 
+@pytest.mark.slow  # waits out a call's 1 s limit, twice (~2.3 s)
 def test_call_that_runs_too_long_is_stopped_and_reported(entries):
     entry = next(e for e in entries if "MathAPI" in e.involved_classes)
     ep = Episode(entry, call_timeout_s=1.0)

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rcgrpo.envs.reward import ground_truth
 
 
@@ -29,6 +31,7 @@ def test_replay_cli_scores_lines_and_reports_bad_ones(tmp_path, by_id):
     assert "malformed turns" in rows[4]["error"]
 
 
+@pytest.mark.slow  # the eval CLI replays every entry in a subprocess (~4 s)
 def test_ground_truth_cli_prints_full_accuracy():
     proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--ground-truth"],
                           capture_output=True, text=True)

@@ -1,11 +1,14 @@
 from collections import Counter
 
+import pytest
+
 from rcgrpo.envs.replay import replay_ground_truth
 from rcgrpo.envs.reward import ground_truth
 
 from tests.envs.checker import direct_verdict
 
 
+@pytest.mark.slow  # replays every entry's ground truth (~2.5 s)
 def test_every_ground_truth_is_valid_with_reward_one(entries):
     failures = []
     for entry in entries:

@@ -74,6 +74,7 @@ def perturbations(entry):
     return out
 
 
+@pytest.mark.slow  # every perturbation of a category, twice checked (2.5-5 s each)
 @pytest.mark.parametrize("category", ["base", "miss_func", "miss_param", "long_context"])
 def test_perturbed_verdicts_equal_direct_checker(entries, category):
     checked = 0

@@ -25,6 +25,8 @@ TILED = ("_partials_kernel", "_dlogits_kernel")  # the kernels built on tl.dot
 # the install is broken, so this import fails the suite rather than skip.
 import triton.backends.nvidia  # noqa: E402,F401
 
+pytestmark = pytest.mark.slow  # compiles every Triton kernel ahead of time for two GPU targets (~49 s)
+
 
 @pytest.fixture(scope="module")
 def compiled():

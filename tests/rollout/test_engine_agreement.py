@@ -1,7 +1,6 @@
 """The rollout engine's log-probs and the trainer's agree on the real model:
 SmolLM2-135M in fp32, sampled by the in-process vLLM CPU engine, rescored by
-the trainer's packed forward exactly as an RL step does (`Agreement`).
-Lives here to share the session's vLLM engine."""
+the trainer's packed forward exactly as an RL step does (`Agreement`)."""
 import torch
 
 from rcgrpo.batch import pack

@@ -1,21 +1,5 @@
-import pytest
-
-from rcgrpo.models import load_policy, resolve_model_folder
-
-
-@pytest.fixture(scope="session")
-def model_dir():
-    return resolve_model_folder(None)  # the embedded SmolLM2 (converted once, cached)
-
-
-@pytest.fixture(scope="session")
-def policy(model_dir):
-    return load_policy(model_dir)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(policy):
-    return policy.tokenizer
+"""Helpers shared by the training tests and others (imported as
+`tests.training.conftest`); the fixtures are in tests/conftest.py."""
 
 
 def chat_record(tokenizer, user: str, reply: str, token: str | None, reward: float, entry_id="tiny"):

@@ -54,6 +54,7 @@ def tiny_folder(tmp_path_factory, tokenizer):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tokenizer)
 
 
+@pytest.mark.slow  # RL steps with generation by the transformers engine (~2.5 s)
 def test_each_rl_step_wakes_swaps_generates_and_sleeps_before_the_update(tiny_folder, tokenizer, tmp_path):
     from rcgrpo.envs.bfcl import load_entries, split_train_test
 

@@ -80,6 +80,7 @@ def train_pure_bf16(model_dir, batch) -> float:
     return update_norm(start, model)
 
 
+@pytest.mark.slow  # 50 AdamW steps of the 135M model in three precisions (~17 s)
 def test_bf16_compute_keeps_the_fp32_update_and_pure_bf16_loses_it(model_dir, batch):
     fp32, _, _ = train_policy(model_dir, batch, "float32")
     mixed, policy, optimizer = train_policy(model_dir, batch, "bfloat16")
@@ -94,6 +95,7 @@ def test_bf16_compute_keeps_the_fp32_update_and_pure_bf16_loses_it(model_dir, ba
     assert pure < 0.2 * fp32
 
 
+@pytest.mark.slow  # loads the 135M model (policy and reference)
 def test_bf16_compute_runs_the_decoder_and_head_in_bf16_from_fp32_masters(model_dir, batch):
     cfg = parse_args(["--model.dtype", "bfloat16"], check_files=False)
     policy = TrainablePolicy.load(model_dir, cfg.model, torch.device("cpu"), reference=True)

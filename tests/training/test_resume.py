@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from rcgrpo.checkpoint import folder_weights
@@ -19,6 +20,8 @@ from rcgrpo.data.rctp import save_records
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 from tests.training.conftest import chat_record, save_tiny_llama
+
+pytestmark = pytest.mark.slow  # trainer subprocesses, one SIGKILLed mid-save (~17 s)
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6

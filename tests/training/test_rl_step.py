@@ -230,6 +230,7 @@ def _fresh(tiny_folder):
                                 reference=False)
 
 
+@pytest.mark.slow  # RL updates of 1 and 2 epochs on real episodes (~5 s)
 def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_folder, sampled):
     from rcgrpo.batch import pack
 
@@ -282,6 +283,7 @@ def _grads(policy):
     return torch.cat([p.grad.reshape(-1) for p in policy.trainable_parameters()])
 
 
+@pytest.mark.slow  # three RL passes on real episodes (~2.4 s)
 def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
     """Engine log-probs equal to the trainer's: TIS changes nothing. Engine
     log-probs 1 nat below the trainer's on every other token: those weights are

@@ -17,6 +17,8 @@ gradients ~1.5e-6 relative (every parameter trained).
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # TRL's GRPOTrainer on the 135M model, policy and reference (~20 s in all)
+
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 BETA = 0.1

@@ -210,7 +210,7 @@ def test_one_lora_rctp_step_changes_both_reward_token_rows_and_the_export_holds_
         policy, tokenizer, trajectories, tmp_path):
     """Under LoRA the embeddings are frozen but the reward-token rows train:
     one RCTP step on tagged records (both tokens) moves both rows, and the
-    merged export carries the moved rows (tests/rollout/test_lora_swap.py:
+    merged export carries the moved rows (tests/test_lora_swap.py:
     the engine too)."""
     from safetensors.torch import load_file
 
@@ -321,6 +321,7 @@ def test_gradient_checkpointing_keeps_adapter_gradients(policy, trajectories):
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.slow  # the trainer's LoRA stage on the 135M model, run and resumed (~6 s)
 def test_trainer_lora_stage_exports_merged_model_and_resumes_to_the_same_weights(tokenizer, tmp_path, capsys):
     """`python -m rcgrpo.train` with LoRA: the stage folder is the merged plain
     model (+ adapter/), checkpoints hold the adapter, and a run resumed from

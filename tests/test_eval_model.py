@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the eval CLI loads the 135M model in a subprocess (~49 s, ~1.5 s)
+
 
 def eval_cli(*args):
     return subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--model", "embedded:smollm2-135m-instruct", *args],

@@ -1,7 +1,7 @@
 """The weight swap of a LoRA run: after one real adapter update, the merged
 weights pushed by `TrainablePolicy.rollout_weights` make the in-process vLLM
 engine score tokens as the HF merged model does, and the engine's embedding
-holds the trained reward-token rows. Lives here to share the session engine."""
+holds the trained reward-token rows."""
 import copy
 
 import torch

@@ -1,5 +1,5 @@
 """RCTP data: every trajectory labelled by the environment, tagged to match,
-1:1 expert:failure, saved and reloaded exactly. (Here to share the vLLM engine.)"""
+1:1 expert:failure, saved and reloaded exactly."""
 import json
 
 import pytest

@@ -1,7 +1,7 @@
 """Trainer steps on the real model and engine: one RCTP step and one RC-GRPO
 step change the weights and, after the in-place swap, the engine's output;
 the fused and reference losses agree on a real BFCL batch; the drawn reward
-token reaches each rollout's prompt. Lives here to share the vLLM engine."""
+token reaches each rollout's prompt."""
 import dataclasses
 
 import pytest

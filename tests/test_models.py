@@ -197,6 +197,7 @@ def _race(final, log):
     models._save_atomically(build, Path(final), source="race")
 
 
+@pytest.mark.slow  # two spawned interpreters import rcgrpo.models (~2-2.5 s)
 def test_two_processes_build_the_folder_once(tmp_path):
     final, log = tmp_path / "models" / "m", tmp_path / "log"
     ctx = mp.get_context("spawn")
