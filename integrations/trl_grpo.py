@@ -17,7 +17,8 @@ their log-probs and returns the clipped GRPO loss and its statistics; the
 projected at all. Generation, rewards, advantages and the old and reference
 log-probs stay TRL's own.
 
-How TRL 1.16's loss maps onto the kernel's arguments (tests/integrations/test_trl_grpo.py checks loss and gradients against TRL's own `_compute_loss`):
+How TRL 1.16's loss maps onto the kernel's arguments (tests/integrations/test_trl_grpo.py checks loss and
+gradients against TRL's own `_compute_loss`):
 
 - the packed batch: each completion row of the [B, T] batch is one sequence
   of T tokens (`cu_seqlens = 0, T, 2T, ...`); `loss_mask` is

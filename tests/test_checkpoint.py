@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import textwrap
-import time
 import warnings
 from pathlib import Path
 

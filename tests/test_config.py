@@ -6,10 +6,10 @@ import importlib.util
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from rcgrpo import config as C
 from rcgrpo.config import Config, ConfigError, parse_args

@@ -21,14 +21,13 @@ from rcgrpo.checkpoint import CheckpointError
 from rcgrpo.config import ConfigError, LoraConfig, parse_args
 from rcgrpo.lora import ADAPTER_DIR, adapters_off, is_lora, unwrap, wrap
 from rcgrpo.models import reward_token_ids
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.policy import TrainablePolicy
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
 from rcgrpo.training.grpo import rl_update
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, sft_loss, token_logprobs
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
-
 from tests.training.conftest import chat_record
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]

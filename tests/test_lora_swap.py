@@ -15,7 +15,6 @@ from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.rollout.engine import SamplingConfig
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
-
 from tests.training.conftest import chat_record
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=12)

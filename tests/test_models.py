@@ -54,7 +54,8 @@ def _toy_tokenizer():
     """A byte-level BPE like Qwen's: AutoTokenizer reloads it as a Qwen2Tokenizer."""
     import random
 
-    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
@@ -125,7 +126,8 @@ def test_toy_model_gets_phrase_mean_rows_without_shrinking_or_rounding(tmp_path,
 
 
 def _word_tokenizer(vocab: list[str], unk: bool):
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     vocab = ["<eos>", *(["[UNK]"] if unk else []), *vocab]

@@ -4,9 +4,18 @@ import random
 import pytest
 
 from rcgrpo.config import PIPELINES, RL_STAGES, parse_args
-from rcgrpo.reward_tokens import (HIGH_REWARD, LOW_REWARD, DrawPerRollout, default_eval_conditioning,
-                                  label_for_reward, rl_rollout_conditioning, rollout_tokens, short_name,
-                                  stage_saw_reward_tokens, token_named)
+from rcgrpo.reward_tokens import (
+    HIGH_REWARD,
+    LOW_REWARD,
+    DrawPerRollout,
+    default_eval_conditioning,
+    label_for_reward,
+    rl_rollout_conditioning,
+    rollout_tokens,
+    short_name,
+    stage_saw_reward_tokens,
+    token_named,
+)
 
 
 def test_names_and_tokens_map_both_ways():

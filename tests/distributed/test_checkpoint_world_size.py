@@ -9,7 +9,6 @@ import torch
 
 from rcgrpo.data.rctp import save_records
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
-
 from tests.distributed.conftest import python, torchrun
 from tests.training.conftest import chat_record
 
@@ -47,13 +46,13 @@ def test_two_rank_checkpoint_resumes_in_one_process(tmp_path, tokenizer):
     final_two = tmp_path / "final-two"
     shutil.move(run_dir / "models" / "rctp", final_two)
     (run_dir / "stages" / "rctp.done").unlink()
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "rctp"] == [1, 2]  # rank 0 alone wrote them
 
     one = python(train_args(data, tmp_path / "runs") + ["--resume"])
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resumed from" in one.stderr and "ckpt-00000001" in one.stderr
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "rctp"] == [1, 2]
     before = load_file(str(ckpt / "model" / "model.safetensors"))
     a = load_file(str(final_two / "model.safetensors"))

@@ -59,7 +59,7 @@ def test_missing_data_file_is_named(tmp_path):
 def test_ground_truth_turn_count_mismatch_is_an_error(tmp_path):
     root = _copy_data(tmp_path)
     path = root / "possible_answer" / "BFCL_v4_multi_turn_base.json"
-    rows = [json.loads(l) for l in path.read_text().splitlines()]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows[0]["ground_truth"] = rows[0]["ground_truth"][:-1]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(DataError, match="multi_turn_base_0"):

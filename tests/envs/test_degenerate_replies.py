@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from rcgrpo.envs.bfcl import Episode
 from rcgrpo.envs.calls import MAX_EXPR_DEPTH, _tree_depth, decode_calls, expression_depth_bound
 from rcgrpo.envs.executor import REFUSED_NAMES
-
 from tests.hostile import KINDS, AuditLog, wrap
 
 # A few entries whose episodes reach different API classes (MathAPI runs in

@@ -4,7 +4,6 @@ import pytest
 
 from rcgrpo.envs.replay import replay_ground_truth
 from rcgrpo.envs.reward import ground_truth
-
 from tests.envs.checker import direct_verdict
 
 

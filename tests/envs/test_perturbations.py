@@ -6,7 +6,6 @@ import pytest
 
 from rcgrpo.envs.replay import replay
 from rcgrpo.envs.reward import ground_truth
-
 from tests.envs.checker import direct_verdict
 
 EXTRA_CALL = {
@@ -102,6 +101,6 @@ def test_some_perturbations_still_pass_the_checker(entries):
     # The comparison above must not be trivially "everything is invalid".
     outcomes = set()
     for entry in entries[::25]:
-        for name, turns, _ in perturbations(entry):
+        for _name, turns, _ in perturbations(entry):
             outcomes.add(direct_verdict(entry, turns))
     assert outcomes == {True, False}

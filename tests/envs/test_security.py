@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from rcgrpo.envs.bfcl import Episode
 from rcgrpo.envs.calls import MAX_INT_BITS, Call, DecodeError, decode_calls
-
 from tests.hostile import HOSTILE
 
 SAFE_NAMES = {"ls": print, "cd": print, "mkdir": print}

@@ -3,9 +3,9 @@ constant groups exactly 0 with finite gradients."""
 
 import pytest
 import torch
+from kernels_testlib import DEVICE, DTYPES, FAST_IMPLS, IMPLS, assert_close, triton_ready
 
 import kernels
-from kernels_testlib import DEVICE, DTYPES, FAST_IMPLS, IMPLS, assert_close, triton_ready
 
 
 def _run(impl, rewards, groups, **kw):

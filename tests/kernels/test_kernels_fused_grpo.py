@@ -4,11 +4,10 @@ ranges, bias, old/ref given packed or gathered, and odd batches."""
 
 import pytest
 import torch
+from kernels_testlib import FAST_IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem, triton_ready
 
 import kernels
 from kernels import chunked
-from kernels_testlib import (DEVICE, FAST_IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem,
-                             triton_ready)
 
 LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
 
@@ -120,7 +119,7 @@ def test_chunked_chunks_and_no_grad():
                                                      bias=q["bias"], chunk_rows=rows, compute_entropy=True)
         (2.0 * loss).backward()  # the upstream gradient must be applied
         outs.append((loss, stats, q))
-    for loss, stats, q in outs[:2]:
+    for loss, _stats, q in outs[:2]:
         assert_close(loss, outs[2][0], what="loss")
         for k in ("hidden", "weight", "bias"):
             assert_close(q[k].grad, outs[2][2][k].grad, what=k, grad=True)

@@ -10,10 +10,9 @@ import math
 
 import pytest
 import torch
-
-import kernels
 from kernels_testlib import DEVICE, assert_close, leaf, old_ref_for, packed_problem, triton_ready
 
+import kernels
 import kernels.triton.fused_linear_logprob as flp  # noqa: E402 (after TRITON_INTERPRET is set by conftest)
 
 # the interpreter's tiles, then "the i-th config of each kind" for every i

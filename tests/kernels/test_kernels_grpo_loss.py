@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from kernels_testlib import DEVICE, FAST_IMPLS, IMPLS, SEQLENS, assert_close, cu_of, loss_mask_for, triton_ready
 
 import kernels
-from kernels_testlib import DEVICE, FAST_IMPLS, IMPLS, SEQLENS, assert_close, cu_of, loss_mask_for, triton_ready
 
 LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
 

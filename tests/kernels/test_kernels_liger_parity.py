@@ -12,9 +12,9 @@ has at least one loss token.
 
 import pytest
 import torch
+from kernels_testlib import DEVICE, FAST_IMPLS, IMPLS, assert_close, cu_of, triton_ready
 
 import kernels
-from kernels_testlib import DEVICE, FAST_IMPLS, IMPLS, assert_close, cu_of, triton_ready
 from tests.required import require
 
 liger_grpo = require("liger_kernel.chunked_loss.grpo_loss", "dev")

@@ -3,10 +3,10 @@ forward values and gradients (logits / hidden, weight, bias)."""
 
 import pytest
 import torch
+from kernels_testlib import DEVICE, DTYPES, FAST_IMPLS, assert_close, leaf, triton_ready
 
 import kernels
 from kernels import chunked
-from kernels_testlib import DEVICE, DTYPES, FAST_IMPLS, assert_close, leaf, triton_ready
 
 
 def _maybe_triton(impl):

@@ -4,11 +4,21 @@ forward and backward, against a loss written out in plain Python."""
 
 import pytest
 import torch
+from kernels_testlib import (
+    DEVICE,
+    IMPLS,
+    SEQLENS,
+    assert_close,
+    cu_of,
+    leaf,
+    loss_mask_for,
+    old_ref_for,
+    packed_problem,
+    triton_ready,
+)
 
 import kernels
 from kernels import loss_types
-from kernels_testlib import (DEVICE, IMPLS, SEQLENS, assert_close, cu_of, leaf, loss_mask_for, old_ref_for, packed_problem,
-                             triton_ready)
 
 
 def test_builtin_sequence_weights_by_hand():

@@ -2,10 +2,10 @@
 and reduction weights (what the fast paths share)."""
 
 import torch
+from kernels_testlib import cu_of
 
 import kernels
 from kernels import packing
-from kernels_testlib import cu_of
 
 
 def test_next_token_targets_alignment():

@@ -5,9 +5,9 @@ ragged sequences, weights given packed or on the loss tokens only."""
 
 import pytest
 import torch
+from kernels_testlib import FAST_IMPLS, IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem, triton_ready
 
 import kernels
-from kernels_testlib import FAST_IMPLS, IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem, triton_ready
 
 LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
 

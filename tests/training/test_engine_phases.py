@@ -11,7 +11,6 @@ from rcgrpo.rollout.engine import awake
 from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.grpo import train_rl
-
 from tests.training.conftest import save_tiny_llama
 
 

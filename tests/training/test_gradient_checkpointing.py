@@ -5,8 +5,8 @@ import torch
 
 from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
-from rcgrpo.reward_tokens import HIGH_REWARD
 from rcgrpo.policy import TrainablePolicy
+from rcgrpo.reward_tokens import HIGH_REWARD
 from rcgrpo.training.losses import sft_loss
 from tests.training.conftest import chat_record
 

@@ -16,11 +16,10 @@ import torch
 
 from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
-from rcgrpo.reward_tokens import HIGH_REWARD
 from rcgrpo.policy import PackedLM, TrainablePolicy
+from rcgrpo.reward_tokens import HIGH_REWARD
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
-
 from tests.training.conftest import chat_record
 
 STEPS, LR = 50, 1e-6

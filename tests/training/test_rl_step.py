@@ -17,11 +17,17 @@ from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import Generation
 from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.context import RunContext
-from rcgrpo.training.grpo import (UpdateSettings, dynamic_sampling, prompt_schedule, rl_step, rl_update,
-                                  to_trajectories, train_rl)
+from rcgrpo.training.grpo import (
+    UpdateSettings,
+    dynamic_sampling,
+    prompt_schedule,
+    rl_step,
+    rl_update,
+    to_trajectories,
+    train_rl,
+)
 from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
-
 from tests.training.conftest import save_tiny_llama
 
 FAIL_REPLY = "I cannot help with that."

@@ -12,16 +12,15 @@ from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
 from rcgrpo.data.expert import expert_turns, play_script, script_from_turns
 from rcgrpo.models import reward_token_ids
+from rcgrpo.policy import TrainablePolicy
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import SamplingConfig
-from rcgrpo.policy import TrainablePolicy
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
 from rcgrpo.training.grpo import rl_update, to_trajectories
 from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss, sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
-
 from tests.training.conftest import chat_record
 
 ROLLOUT = RolloutConfig(max_new_tokens=16, max_total_tokens=6144, doc_style="compact_no_response",

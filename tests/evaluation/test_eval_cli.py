@@ -1,10 +1,17 @@
+"""`python -m rcgrpo.eval` (rcgrpo/evaluation/cli.py): replay scoring and the ground-truth table."""
 import json
 import subprocess
 import sys
 
 import pytest
 
+from rcgrpo.envs.bfcl import load_entries
 from rcgrpo.envs.reward import ground_truth
+
+
+@pytest.fixture(scope="module")
+def by_id():
+    return {e.id: e for e in load_entries()}
 
 
 def test_replay_cli_scores_lines_and_reports_bad_ones(tmp_path, by_id):
@@ -22,7 +29,7 @@ def test_replay_cli_scores_lines_and_reports_bad_ones(tmp_path, by_id):
     proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--replay", str(src), "--out", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 5
     assert rows[0] == {"id": entry.id, "valid": True, "r_state": 1.0, "r_action": 1.0, "reward": 1.0}
     assert "malformed JSON" in rows[1]["error"] and rows[1]["line"] == 2
@@ -36,7 +43,7 @@ def test_ground_truth_cli_prints_full_accuracy():
     proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--ground-truth"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    lines = {l.split()[0]: l.split() for l in proc.stdout.splitlines() if l.strip()}
+    lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
     for name in ("base", "miss_func", "miss_param", "long_context", "overall"):
         assert lines[name][-1] == "100.00%", proc.stdout
     assert lines["base"][1] == "200"
