@@ -6,7 +6,7 @@ Triton modules are imported only when used, so ``import kernels`` needs no
 GPU, and ``TRITON_INTERPRET=1`` set before the first Triton call still takes
 effect.
 
-Conventions shared by every function (the packed batch of DESIGN.md):
+Conventions shared by every function (the packed batch of rcgrpo/batch.py):
 
 - N tokens of S sequences are concatenated; ``cu_seqlens [S+1]`` (int32 or
   int64) holds the boundaries, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == N``.
