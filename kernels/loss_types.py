@@ -103,15 +103,25 @@ def sequence_weights(counts: torch.Tensor, loss_type: str, max_tokens: Optional[
     return weights
 
 
+# The three counts the built-in reductions divide by.
+def sequences_with_loss_tokens(counts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return ((counts > 0) & keep).sum()
+
+
+def loss_tokens(counts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep, counts, torch.zeros_like(counts)).sum()
+
+
+def sequences(counts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return keep.sum()
+
+
 register_loss_type(LossType(
-    "grpo", lambda counts, keep: ((counts > 0) & keep).sum(), mean_within_sequence=True,
+    "grpo", sequences_with_loss_tokens, mean_within_sequence=True,
     description="mean over sequences (with loss tokens) of each sequence's token mean (GRPO paper)"))
+register_loss_type(LossType("bnpo", loss_tokens, description="token mean over the batch"))
 register_loss_type(LossType(
-    "bnpo", lambda counts, keep: torch.where(keep, counts, torch.zeros_like(counts)).sum(),
-    description="token mean over the batch"))
+    "dapo", loss_tokens, description="token mean over the batch (DAPO; the same as bnpo on one process)"))
 register_loss_type(LossType(
-    "dapo", lambda counts, keep: torch.where(keep, counts, torch.zeros_like(counts)).sum(),
-    description="token mean over the batch (DAPO; the same as bnpo on one process)"))
-register_loss_type(LossType(
-    "dr_grpo", lambda counts, keep: keep.sum(), scaled_by_max_tokens=True,
+    "dr_grpo", sequences, scaled_by_max_tokens=True,
     description="sum over tokens / (sequences x max_tokens) (Dr. GRPO)"))

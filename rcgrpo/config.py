@@ -38,7 +38,7 @@ from rcgrpo.errors import UserError
 from rcgrpo.prompts import DOC_STYLES
 from rcgrpo.reward_tokens import CONDITIONING_NAMES, HIGH_REWARD, default_eval_conditioning
 from rcgrpo.rollout import ENGINES
-from rcgrpo.stages import DYNAMIC_SAMPLING_PIPELINES, PAPER_RL_BATCH, PIPELINES, RL_STAGES
+from rcgrpo.stages import DYNAMIC_SAMPLING_PIPELINES, FINETUNE_STAGES, PAPER_RL_BATCH, PIPELINES, RL_STAGES
 
 try:
     import tomllib
@@ -298,7 +298,7 @@ class Config:
 
     @property
     def finetune_stage(self) -> str:
-        return "rctp" if self.run.pipeline.startswith("rctp") else "sft"
+        return next(s for s in PIPELINES[self.run.pipeline] if s in FINETUNE_STAGES)
 
     @property
     def rl_stage(self) -> str:

@@ -35,6 +35,8 @@ SYNONYMS = {
 RETIRED = {"run.log_every": "metric lines are written every step"}
 # Every dotted key -> (type, help). The schema is fixed, so it is walked once.
 KEYS = all_keys()
+# Every section ("grpo", "model.lora"): a proper dotted prefix of some key.
+SECTIONS = frozenset(key.rsplit(".", i)[0] for key in KEYS for i in range(1, key.count(".") + 1))
 
 
 def unknown_setting(key: str, known: Sequence[str], where: str) -> ConfigError:
@@ -114,10 +116,10 @@ def apply_settings(cfg: Config, table: dict, where: str, prefix: str = "") -> No
         if key in RETIRED:
             continue
         if isinstance(v, dict):
-            if not any(x.startswith(key + ".") for x in KEYS):
+            if key not in SECTIONS:
                 raise unknown_setting(key, [x.rsplit(".", 1)[0] for x in KEYS] + list(KEYS), where)
             apply_settings(cfg, v, where, key + ".")
-        elif any(x.startswith(key + ".") for x in KEYS):
+        elif key in SECTIONS:
             raise ConfigError(f"{key!r} is a section ({where}): write [{key}] with its settings, "
                               f"not {key} = {v!r}")
         else:
