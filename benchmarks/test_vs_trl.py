@@ -15,7 +15,12 @@ GRPO update (loss grpo, beta 0, lr 1e-6, eps 0.2), for STEPS steps. Same
   its HF `generate` (TRL_GENERATION below says why not vLLM colocate); one
   completion per forward/backward on both sides (TRL: per-device batch 1 with
   gradient accumulation over the step's completions; rcgrpo: micro-batches
-  of at most MICRO_BATCH_TOKENS).
+  of at most MICRO_BATCH_TOKENS forwarded tokens, i.e. one prompt group,
+  whose shared prompt it forwards once: rcgrpo.prefix_sharing).
+
+Gradient checkpointing is on for both in one pair of runs (TRL 1.16's
+GRPOConfig default) and off for both in the other: the same setting on
+both sides either way.
 
 Each trainer runs in its own fresh process (ru_maxrss is its peak resident
 memory). Per step: generation seconds (rcgrpo: weight push + rollouts +
@@ -104,7 +109,8 @@ if __name__ == "__main__":
     folder = resolve_model_folder(None)
     # Micro-batches of one completion each (a prompt is ~1.8k tokens), as TRL's side.
     cfg = parse_args(["--fused", "--out-dir", sys.argv[1], "--name", "bench", "--run.tensorboard", "false",
-                      "--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS)], check_files=False)
+                      "--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS),
+                      "--model.gradient_checkpointing", os.environ["BENCH_GC"]], check_files=False)
     tok = load_tokenizer(folder)
     jobs = entries()
     engine = make_engine("vllm", folder, dtype="float32", max_model_len=8192, seed=0, kv_cache_gib=1)
@@ -127,7 +133,7 @@ if __name__ == "__main__":
         steps.append({"generation_s": t1 - t0, "update_s": t2 - t1, "total_s": t2 - t0,
                       "reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
                       "generated": sum(sum(r.sampled_mask) for r in rollouts),
-                      "batch_tokens": stats.get("batch_tokens", 0)})
+                      "batch_tokens": stats.get("batch_tokens", 0), "forward_tokens": stats.get("forward_tokens", 0)})
     print(json.dumps({"steps": steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "torch_threads": torch.get_num_threads()}))
 """
@@ -161,6 +167,7 @@ if __name__ == "__main__":
                       beta=0.0, loss_type="grpo", temperature=1.0, top_p=1.0, epsilon=0.2,
                       use_vllm=os.environ["TRL_GENERATION"] == "vllm", vllm_mode="colocate",
                       use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
+                      gradient_checkpointing=os.environ["BENCH_GC"] == "true",
                       disable_tqdm=True, seed=0)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=bfcl_reward, args=args, train_dataset=data,
@@ -195,8 +202,9 @@ if __name__ == "__main__":
 """
 
 
-def run_trainer(script: str, tmp_path) -> dict:
+def run_trainer(script: str, tmp_path, gradient_checkpointing: bool) -> dict:
     env = dict(os.environ, RCGRPO_PROGRESS="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               BENCH_GC="true" if gradient_checkpointing else "false",
                BENCH_THREADS=os.environ.get("BENCH_THREADS", "2"), TRL_GENERATION=TRL_GENERATION,
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
@@ -216,26 +224,29 @@ def _summary(result: dict) -> dict:
 
 
 @pytest.mark.parametrize("trainer", ["trl", "rcgrpo"])
-def test_single_turn_steps(benchmark, trainer, tmp_path):
+@pytest.mark.parametrize("checkpointing", ["gc-on", "gc-off"])
+def test_single_turn_steps(benchmark, trainer, checkpointing, tmp_path):
     script = TRL_SCRIPT if trainer == "trl" else RCGRPO_SCRIPT
-    result = benchmark.pedantic(lambda: _summary(run_trainer(script, tmp_path)), rounds=1, iterations=1)
-    RESULTS[trainer] = result
+    result = benchmark.pedantic(lambda: _summary(run_trainer(script, tmp_path, checkpointing == "gc-on")),
+                                rounds=1, iterations=1)
+    RESULTS[(trainer, checkpointing)] = result
     benchmark.extra_info.update({k: v for k, v in result.items() if k != "steps"})
-    print(f"\n{trainer}: per step generation {result['generation_s']:.1f} s, update {result['update_s']:.1f} s, "
-          f"total {result['total_s']:.1f} s; peak RSS {result['peak_rss_mb']:.0f} MB; "
-          f"torch threads at the end {result['torch_threads']}")
+    print(f"\n{trainer} ({checkpointing}): per step generation {result['generation_s']:.1f} s, "
+          f"update {result['update_s']:.1f} s, total {result['total_s']:.1f} s; "
+          f"peak RSS {result['peak_rss_mb']:.0f} MB; torch threads at the end {result['torch_threads']}")
     for i, s in enumerate(result["steps"]):
         print(f"  step {i + 1}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in s.items()))
 
 
-def test_rcgrpo_over_trl_ratios(benchmark):
-    if set(RESULTS) != {"trl", "rcgrpo"}:
+@pytest.mark.parametrize("checkpointing", ["gc-on", "gc-off"])
+def test_rcgrpo_over_trl_ratios(benchmark, checkpointing):
+    if {("trl", checkpointing), ("rcgrpo", checkpointing)} - set(RESULTS):
         pytest.skip("needs both trainers' benchmarks of this run")
-    ours, trl = RESULTS["rcgrpo"], RESULTS["trl"]
+    ours, trl = RESULTS[("rcgrpo", checkpointing)], RESULTS[("trl", checkpointing)]
     ratios = {f"{k}_ratio": ours[k] / trl[k] for k in ("generation_s", "update_s", "total_s", "peak_rss_mb")}
     benchmark.extra_info.update(ratios)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
-    print("\n| per step | rcgrpo | TRL | rcgrpo / TRL |\n|---|---|---|---|")
+    print(f"\n{checkpointing}\n| per step | rcgrpo | TRL | rcgrpo / TRL |\n|---|---|---|---|")
     for k, unit in (("generation_s", "s"), ("update_s", "s"), ("total_s", "s"), ("peak_rss_mb", "MB")):
         print(f"| {k} | {ours[k]:.1f} {unit} | {trl[k]:.1f} {unit} | {ratios[k + '_ratio']:.2f}x |")

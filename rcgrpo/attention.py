@@ -4,10 +4,11 @@
 keep packed sequences apart in transformers: with the model's default
 ``use_cache=True`` (transformers 5.19) the packing detection is skipped and
 sequences attend to each other. ``decoder_hidden_states`` therefore passes an
-explicit block-diagonal causal mask on CPU (bool for ``sdpa``; an additive
-float mask for ``eager``, which adds a bool mask as 0/1 and silently gets it
-wrong), and flash-attn's varlen ``cu_seqlens`` on GPU, where an N x N mask is
-too big.
+explicit causal mask that keeps sequences apart on CPU (additive: ``eager``
+adds a bool mask as 0/1 and silently gets it wrong), and flash-attn's varlen
+``cu_seqlens`` on GPU, where an N x N mask is too big. On the mask path the
+prompt prefix a group's sequences share is forwarded once
+(``rcgrpo.prefix_sharing``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from rcgrpo.batch import PackedBatch
+from rcgrpo.prefix_sharing import shared_prefix_layout
 
 __all__ = ["block_causal_mask", "additive_mask", "default_attn_implementation", "uses_varlen_attention",
            "decoder_hidden_states"]
@@ -58,39 +60,48 @@ def uses_varlen_attention(config) -> bool:
     return "flash" in str(getattr(config, "_attn_implementation", "") or "")
 
 
-def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, batch: PackedBatch) -> torch.Tensor:
+def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, batch: PackedBatch,
+                          share_prefixes: bool = True) -> torch.Tensor:
     """Final hidden states [N, H] of a transformers decoder (the causal LM
     without its head) on a packed batch, with ``use_cache=False``:
 
     * flash-attn implementations (GPU): ``position_ids`` plus explicit varlen
       kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``), no N x N mask;
-    * ``sdpa``: a bool block-causal mask [1, 1, N, N];
-    * ``eager``: the same mask in additive form, in ``mask_dtype``.
+    * ``sdpa`` / ``eager``: with `share_prefixes`, each shared prompt prefix
+      is forwarded once (``rcgrpo.prefix_sharing``) and its rows read by every
+      sequence that has it; the mask keeps sequences apart. It is additive,
+      in ``mask_dtype``, for both: ``eager`` would add a bool mask as 0/1, and
+      ``sdpa``'s CPU kernel would convert a bool mask to an [M, M] float copy
+      in every layer's call; one additive mask serves all layers.
 
     Other implementations (e.g. flex_attention) are refused rather than
     silently mixing sequences.
     """
     device = batch.input_ids.device
-    ids = batch.input_ids[None]
-    pos = batch.position_ids[None]
     impl = str(getattr(config, "_attn_implementation", "") or "sdpa")
     if uses_varlen_attention(config):
         cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
-        out = decoder(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                      max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
-    elif impl in ("sdpa", "eager") and batch.num_seqs == 1:
-        # One sequence needs no block mask: plain causal attention lets SDPA
-        # use its fused kernel instead of materialising [heads, N, N] scores
-        # for every layer (10 GB for 3k tokens x 30 layers in training).
-        out = decoder(input_ids=ids, position_ids=pos, use_cache=False)
-    elif impl in ("sdpa", "eager"):
-        mask = block_causal_mask(batch.cu_seqlens, device=device)
-        if impl == "eager":
-            mask = additive_mask(mask, mask_dtype)
-        out = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
-    else:
+        out = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
+        return out.last_hidden_state[0]
+    if impl not in ("sdpa", "eager"):
         raise ValueError(
             f"packed forward: attention implementation {impl!r} is not supported; "
             "use 'sdpa' or 'eager' (CPU) or 'flash_attention_2' (GPU)"
         )
-    return out.last_hidden_state[0]
+    if batch.num_seqs == 1:
+        # One sequence needs no mask: plain causal attention lets SDPA use its
+        # fused kernel with no [M, M] tensor at all.
+        out = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False)
+        return out.last_hidden_state[0]
+    if share_prefixes:
+        layout = shared_prefix_layout(batch)
+        ids, pos = batch.input_ids[layout.keep], batch.position_ids[layout.keep]
+        mask = layout.attention_mask(pos)
+    else:
+        layout, ids, pos = None, batch.input_ids, batch.position_ids
+        mask = block_causal_mask(batch.cu_seqlens, device=device)
+    out = decoder(input_ids=ids[None], position_ids=pos[None], attention_mask=additive_mask(mask, mask_dtype),
+                  use_cache=False)
+    hidden = out.last_hidden_state[0]
+    return hidden if layout is None else hidden[layout.expand]

@@ -131,6 +131,11 @@ class ModelConfig:
         resume_safe=True, choices=ATTN_IMPLEMENTATIONS,
     )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory", resume_safe=True)
+    share_prefixes: bool = _f(
+        True, "forward the prompt prefix a micro-batch's sequences share once (sdpa/eager; flash-attn varlen "
+        "forwards every sequence whole): same hidden states and gradients, a group's prompt computed once",
+        resume_safe=True,
+    )
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings"})
 
 

@@ -56,8 +56,9 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
 * The rollout engine (vLLM, in-process; ``run.engine`` "auto" is taken to be
   vLLM, the bigger case): on CUDA it takes ``run.engine_memory_fraction`` of the
   device while awake and sleeps during updates (level 1; counted as 1 GiB left:
-  CUDA graphs, workspaces); on CPU it cannot sleep and holds fp32 weights
-  (4 B/param) plus its 2 GiB KV cache all the time. The transformers engine
+  CUDA graphs, workspaces); on CPU it holds fp32 weights (4 B/param) all the
+  time and its 2 GiB KV cache while awake (asleep, the cache's memory is
+  released: ``VLLMEngine.sleep``). The transformers engine
   ("hf") loads its own fp32 copy on the host: 4 B/param on CPU, nothing on a GPU.
 * Two phases per RL step, the peak is the larger: rollout = weights + optimizer
   state + reference + engine awake (gradients freed); update = weights +
@@ -380,8 +381,7 @@ def _engine(shape: ModelShape, cfg, device_type: str, device_bytes: int) -> tupl
     if device_type == "cpu":
         if kind == "hf":
             return 4 * shape.params, 4 * shape.params, None
-        both = 4 * shape.params + ENGINE_CPU_KV_CACHE
-        return both, both, None
+        return 4 * shape.params + ENGINE_CPU_KV_CACHE, 4 * shape.params, None
     if kind == "hf":
         return 0, 0, "the transformers engine keeps its fp32 copy on the host, not on the GPU"
     return int(cfg.run.engine_memory_fraction * device_bytes), ENGINE_ASLEEP_CUDA, None
@@ -421,7 +421,7 @@ def plan_stage(
                 local_world_size=local_world_size, notes=notes, shape=shape, cfg=cfg, engine_alive=engine_alive)
 
     if stage in ENGINE_STAGES:
-        items = {"engine (awake)" if device_type == "cuda" else "engine (cannot sleep on CPU)": awake}
+        items = {"engine (awake)": awake}
         if stage == "eval" and device_type == "cpu":
             items["policy loaded to hand over its weights (fp32)"] = 4 * P
         return MemoryPlan(phases={"rollout": items}, **plan)
@@ -458,10 +458,8 @@ def plan_stage(
     at = 2 if lora else 1  # after the adapters / the master weights
     update = dict(held_items[:at] + grad_items[:1] + held_items[at:] + grad_items[1:])
     update.update(_activations(shape, cfg, tokens, c, residual, lora_in))
-    if device_type == "cpu":
-        awake_name = asleep_name = "engine (cannot sleep on CPU)"
-    else:
-        awake_name, asleep_name = "engine (awake)", "engine (asleep)"
+    awake_name = "engine (awake)"
+    asleep_name = "engine (asleep: weights, no KV cache)" if device_type == "cpu" else "engine (asleep)"
     phases: dict[str, dict[str, int]] = {}
     if stage in RL_STAGES:
         phases["rollout"] = {**held, awake_name: awake}

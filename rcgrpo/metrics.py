@@ -54,6 +54,7 @@ STANDARD_METRICS = {
     "grad_norm": "gradient norm before clipping",
     "lr": "learning rate",
     "tokens_per_s": "trained tokens per second",
+    "forward_tokens": "tokens the decoder computed per pass over the batch (shared prompt prefixes once)",
     "rollout_s": "seconds spent generating rollouts",
     "update_s": "seconds spent in forward/backward/optimizer",
 }

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from rcgrpo import distributed
-from rcgrpo.attention import decoder_hidden_states, default_attn_implementation
+from rcgrpo.attention import decoder_hidden_states, default_attn_implementation, uses_varlen_attention
 from rcgrpo.batch import PackedBatch
 
 MASTER_DTYPE = torch.float32
@@ -52,10 +52,12 @@ class PackedLM:
     The policy and its reference are each one."""
 
     def __init__(self, decoder: Callable, config, head_weight: Callable[[], torch.Tensor],
-                 compute_dtype: torch.dtype, autocast_device: Optional[str]):
+                 compute_dtype: torch.dtype, autocast_device: Optional[str], share_prefixes: bool = True):
         self._decoder, self._config, self._head_weight = decoder, config, head_weight
         self.compute_dtype = compute_dtype
         self._autocast_device = autocast_device  # None: parameters already are in the compute dtype
+        # Prefix sharing needs a mask; the varlen kernel takes boundaries only.
+        self.shares_prefixes = share_prefixes and not uses_varlen_attention(config)
 
     def _autocast(self):
         if self._autocast_device is None:
@@ -65,7 +67,8 @@ class PackedLM:
     def hidden_states(self, batch: PackedBatch) -> torch.Tensor:
         """[N, H] final hidden states (after the last norm), sequences kept apart."""
         with self._autocast():
-            hidden = decoder_hidden_states(self._decoder, self._config, self.compute_dtype, batch)
+            hidden = decoder_hidden_states(self._decoder, self._config, self.compute_dtype, batch,
+                                           share_prefixes=self.shares_prefixes)
         return hidden.to(self.compute_dtype)  # autocast leaves the residual stream in fp32
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -112,8 +115,9 @@ class TrainablePolicy:
     takes already-built parts (tests build LoRA models themselves)."""
 
     def __init__(self, model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32,
-                 lora: bool = False, reference: Optional[torch.nn.Module] = None):
+                 lora: bool = False, reference: Optional[torch.nn.Module] = None, share_prefixes: bool = True):
         self.model = model
+        self.share_prefixes = share_prefixes
         self.lora = lora
         self.sharded = distributed.is_sharded(model)
         self.compute_dtype = compute_dtype
@@ -129,7 +133,7 @@ class TrainablePolicy:
              token_ids: Sequence[int] = ()) -> "TrainablePolicy":
         """The policy in `folder` (a token-extended model folder), as
         `model_cfg` (a `config.ModelConfig`) asks: LoRA or not, gradient
-        checkpointing, compute dtype; sharded with FSDP2 under torchrun.
+        checkpointing, prefix sharing, compute dtype; sharded with FSDP2 under torchrun.
 
         `reference`: also hold the frozen KL reference (a LoRA policy needs no
         copy: its reference is itself with the adapters off). `token_ids`: the
@@ -152,7 +156,7 @@ class TrainablePolicy:
             distributed.shard_model(model, compute_dtype=compute)
             if ref is not None:
                 distributed.shard_model(ref)
-        return cls(model, compute_dtype=compute, lora=lora, reference=ref)
+        return cls(model, compute_dtype=compute, lora=lora, reference=ref, share_prefixes=model_cfg.share_prefixes)
 
     def _plain_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The transformers model inside a PeftModel; any other model as is."""
@@ -177,7 +181,7 @@ class TrainablePolicy:
         # that both compute the same way and the KL starts at 0 (up to the
         # rounding of the reference's weights). FSDP casts the parameters itself.
         autocast = self.device.type if self.compute_dtype != torch.float32 and not self.sharded else None
-        return PackedLM(decoder, plain.config, head, self.compute_dtype, autocast)
+        return PackedLM(decoder, plain.config, head, self.compute_dtype, autocast, self.share_prefixes)
 
     # ------------------------------------------------------------ training
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from rcgrpo.config import parse_args
-from rcgrpo.memory import GiB, MemoryPlanError, ModelShape, check_stage, device_memory_bytes, plan_stage
+from rcgrpo.memory import (
+    ENGINE_CPU_KV_CACHE,
+    GiB,
+    MemoryPlanError,
+    ModelShape,
+    check_stage,
+    device_memory_bytes,
+    plan_stage,
+)
 
 # Qwen/Qwen2.5-7B-Instruct's published config.json (the fields that matter)
 QWEN7B = dict(
@@ -114,6 +122,11 @@ def test_cpu_default_fits_in_24_gb_and_moves_the_right_way():
         kw.setdefault("device_bytes", 24_000_000_000)
         return plan_stage(shape, c, "rc-grpo", **kw).need_bytes
 
+    # On CPU the vLLM engine releases its KV cache while asleep (the update):
+    # the update counts its weights only, the rollout phase both.
+    rl = plan_stage(shape, cfg, "rc-grpo", device_type="cpu", device_bytes=24_000_000_000)
+    assert rl.phases["update"]["engine (asleep: weights, no KV cache)"] == 4 * shape.params
+    assert rl.phases["rollout"]["engine (awake)"] == 4 * shape.params + ENGINE_CPU_KV_CACHE
     ckpt = parse_args(["--model.gradient_checkpointing", "true"], check_files=False)
     assert need(ckpt) < need(cfg)
     fused = parse_args(["--fused"], check_files=False)

@@ -48,7 +48,8 @@ class Engine(Protocol):
         """Replace the policy weights in place (HF parameter names)."""
 
     def sleep(self) -> None:
-        """Free accelerator memory between rollout phases (no-op where unsupported)."""
+        """Free memory between rollout phases (vLLM: its KV cache, and on CUDA
+        its weights too; no-op where unsupported)."""
 
     def wake_up(self) -> None:
         """Undo sleep() before the next generate()."""
@@ -59,7 +60,7 @@ def awake(engine: Engine, weights: Iterable[tuple[str, torch.Tensor]] | None = N
     """One rollout phase: wake the engine, load `weights` if given (the swap
     happens awake: a sleeping vLLM engine has no weights to overwrite), hand
     it over, and put it back to sleep afterwards, so that the update that
-    follows has the accelerator's memory. On CPU and for the HF engine
+    follows has the memory (vLLM on CPU: the KV cache's). For the HF engine
     sleep/wake are no-ops."""
     engine.wake_up()
     try:

@@ -81,6 +81,8 @@ class VLLMEngine:
         self.bucket_bytes = bucket_bytes
         self.supports_sleep = bool(enable_sleep_mode)
         self._asleep = False
+        self._on_gpu = on_gpu
+        self._released_kv: list = []  # CPU sleep: (storage, bytes) of the KV cache given back
         if not on_gpu:
             # vLLM's CPU runner crashes ("CPU Generator does not use offset")
             # when a seeded request is prefilled in chunks: it rewinds the
@@ -270,14 +272,44 @@ class VLLMEngine:
 
     # -- memory between phases ------------------------------------------------
     def sleep(self) -> None:
-        if self.supports_sleep and not self._asleep:
+        """Give the engine's memory back until `wake_up()`: on CUDA vLLM's
+        sleep mode (level 1: weights offloaded, KV cache discarded); on CPU,
+        where vLLM has no sleep mode, the KV cache's memory is released (its
+        storages shrunk to nothing) and the weights stay."""
+        if self._asleep:
+            return
+        if self.supports_sleep:
             self.llm.sleep(level=1)
-            self._asleep = True
+        elif not self._on_gpu:
+            self._released_kv = [(st, st.nbytes()) for st in self._kv_storages()]
+            for storage, _ in self._released_kv:
+                storage.resize_(0)
+        else:
+            return
+        self._asleep = True
 
     def wake_up(self) -> None:
-        if self._asleep:
+        if not self._asleep:
+            return
+        if self.supports_sleep:
             self.llm.wake_up()
-            self._asleep = False
+        else:
+            # Fresh pages, zero and only made resident as blocks are written:
+            # the cache costs what the rollouts use. Nothing cached survives.
+            for storage, nbytes in self._released_kv:
+                storage.resize_(nbytes)
+            self._released_kv = []
+            self.llm.reset_prefix_cache()
+        self._asleep = False
+
+    def _kv_storages(self) -> list:
+        """The distinct storages behind the runner's KV cache tensors (vLLM
+        allocates one buffer and views it per layer)."""
+        seen = {}
+        for tensor in self._runner().kv_caches:
+            storage = tensor.untyped_storage()
+            seen.setdefault(storage.data_ptr(), storage)
+        return list(seen.values())
 
     def close(self) -> None:
         """Free the engine's model and KV cache now; the engine is unusable after.

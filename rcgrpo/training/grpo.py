@@ -25,14 +25,13 @@ from rcgrpo.batch import (
     PackedBatch,
     Trajectory,
     accumulation_weight,
-    balance_micro_batches,
     informative_sequences,
     loss_normaliser,
     pack,
-    pack_micro_batches,
 )
 from rcgrpo.metrics import progress
 from rcgrpo.policy import TrainablePolicy
+from rcgrpo.prefix_sharing import forwarded_tokens, micro_batch_plan
 from rcgrpo.reward_tokens import rl_rollout_conditioning, short_name
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import awake
@@ -202,12 +201,24 @@ def prepare_batch(trajectories: Sequence[Trajectory], device: torch.device, adva
     return full, advantages
 
 
-def _micro_batches(ctx: RunContext, batch: PackedBatch | None) -> list[PackedBatch]:
-    # Micro-batches without a generated token (e.g. every rollout's prompt was
-    # too long) carry no loss: their forward passes are skipped.
+# Token counts of a pass over the batch, summed over ranks: the tokens trained
+# on, packed, and computed by the decoder (shared prompt prefixes once).
+TOKEN_COUNTS = ("loss_tokens", "batch_tokens", "forward_tokens")
+
+
+def _micro_batch_indices(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None) -> list[list[int]]:
+    # Balanced on the tokens each forward computes: with prefix sharing a
+    # group's prompt counts once per micro-batch.
     if batch is None:
         return []
-    return [m for m in pack_micro_batches(batch, ctx.cfg.run.micro_batch_tokens) if m.num_loss_tokens]
+    return micro_batch_plan(batch, ctx.cfg.run.micro_batch_tokens, policy.lm.shares_prefixes)
+
+
+def _micro_batches(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None) -> list[PackedBatch]:
+    # Micro-batches without a generated token (e.g. every rollout's prompt was
+    # too long) carry no loss: their forward passes are skipped.
+    micros = (batch.select(ix) for ix in _micro_batch_indices(ctx, policy, batch))
+    return [m for m in micros if m.num_loss_tokens]
 
 
 @torch.no_grad()
@@ -218,8 +229,8 @@ def trainer_logprobs(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatc
     update, micro-batch by micro-batch, in lockstep with the other ranks."""
     fused = ctx.cfg.run.fused
     out = None if batch is None else torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
-    bins = [] if batch is None else balance_micro_batches(batch.seq_lens, ctx.cfg.run.micro_batch_tokens)
-    micros = [(m, batch.token_positions(ix)) for ix in bins if (m := batch.select(ix)).num_loss_tokens]
+    micros = [(m, batch.token_positions(ix)) for ix in _micro_batch_indices(ctx, policy, batch)
+              if (m := batch.select(ix)).num_loss_tokens]
     for item, padding in lockstep(micros, ctx.device):
         micro, positions = (item, None) if padding else item
         hidden = policy.lm.hidden_states(micro)  # a padding pass too: FSDP's collectives pair up
@@ -246,10 +257,11 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
     importance weights and the engine/trainer agreement.
     """
     fused = ctx.cfg.run.fused
-    micros = _micro_batches(ctx, batch)
-    local = {"loss_tokens": 0, "batch_tokens": 0, "normaliser": 0}
+    micros = _micro_batches(ctx, policy, batch)
+    local = {"loss_tokens": 0, "batch_tokens": 0, "forward_tokens": 0, "normaliser": 0}
     if batch is not None:
         local = {"loss_tokens": batch.num_loss_tokens, "batch_tokens": batch.num_tokens,
+                 "forward_tokens": sum(forwarded_tokens(m, policy.lm.shares_prefixes) for m in micros),
                  "normaliser": loss_normaliser(batch, settings.loss_type)}
     counts = distributed.all_reduce_sum(local)
     if tis_cap is not None and any(m.engine_logp is None for m in micros):
@@ -282,7 +294,8 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + float(value) * weight
     out = distributed.all_reduce_sum(dict(sums))
-    out["loss_tokens"], out["batch_tokens"] = round(counts["loss_tokens"]), round(counts["batch_tokens"])
+    for key in TOKEN_COUNTS:
+        out[key] = round(counts[key])
     return out
 
 
@@ -358,12 +371,13 @@ def rl_step(ctx: RunContext, policy: TrainablePolicy, optimizer, scheduler, traj
             if update.updates_per_batch > 1:
                 totals[f"clip_frac_pass{epoch + 1}"] += stats.get("clip_frac", 0.0) / update.mini_batches
             if epoch == 0:
-                totals["loss_tokens"] += stats["loss_tokens"]
-                totals["batch_tokens"] += stats["batch_tokens"]
+                for key in TOKEN_COUNTS:
+                    totals[key] += stats[key]
     n = len(norms)
     out.update({k: (v if k.startswith("clip_frac_pass") or k.endswith("_tokens") else v / n)
                 for k, v in totals.items()})
-    out["loss_tokens"], out["batch_tokens"] = round(out["loss_tokens"]), round(out["batch_tokens"])
+    for key in TOKEN_COUNTS:
+        out[key] = round(out[key])
     out.update(agreement.summary(tis), updates=n, grad_norm=sum(norms) / n)
     return out
 

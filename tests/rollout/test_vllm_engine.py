@@ -44,6 +44,31 @@ def test_n_and_per_request_seed(vllm_engine, chat_ids):
     assert [g.token_ids for g in c] != [g.token_ids for g in a]
 
 
+def test_sleep_on_cpu_releases_the_kv_cache_and_wake_up_restores_generation(vllm_engine, chat_ids):
+    """vLLM has no sleep mode on CPU: the engine's own sleep gives the KV
+    cache's memory back (the update phase runs without it) and keeps the
+    weights; after wake_up the same seeded request samples the same tokens."""
+    prompt = chat_ids("Name a colour.")
+    sampling = SamplingConfig(temperature=1.0, max_tokens=16, n=2, seed=5, logprobs=True)
+    before = vllm_engine.generate([prompt], sampling)[0]
+    storages = vllm_engine._kv_storages()
+    sizes = [st.nbytes() for st in storages]
+    assert sum(sizes) >= 1 << 30
+    vllm_engine.sleep()
+    try:
+        assert all(st.nbytes() == 0 for st in storages)
+        with pytest.raises(RuntimeError, match="asleep"):
+            vllm_engine.generate([prompt], sampling)
+        vllm_engine.sleep()  # twice is once
+    finally:
+        vllm_engine.wake_up()
+    assert [st.nbytes() for st in storages] == sizes
+    after = vllm_engine.generate([prompt], sampling)[0]
+    assert [g.token_ids for g in after] == [g.token_ids for g in before]
+    for a, b in zip(after, before):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
 def test_weight_swap_matches_hf_on_the_same_perturbed_weights(vllm_engine, policy, chat_ids):
     prompts = [chat_ids(q) for q in QUESTIONS]
     before = [o[0].token_ids for o in vllm_engine.generate(prompts, GREEDY)]

@@ -289,6 +289,32 @@ def _grads(policy):
     return torch.cat([p.grad.reshape(-1) for p in policy.trainable_parameters()])
 
 
+@pytest.mark.parametrize("micro_batch_tokens", [4500, 16384])
+def test_shared_prefixes_give_the_update_of_whole_sequences(tmp_path, tokenizer, tiny_folder, sampled,
+                                                            micro_batch_tokens):
+    """The RL update with each group's prompt forwarded once equals the one
+    forwarding every sequence whole (gradient, loss, counts), with far fewer
+    forwarded tokens. At 4,500 tokens a micro-batch holds one 2.8k-4.2k-token
+    sequence, or one group when prompts are shared; at 16,384 all of them."""
+    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "u", "--run.tensorboard", "false",
+                      "--run.micro_batch_tokens", str(micro_batch_tokens)], check_files=False)
+    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    out, grads = {}, {}
+    for share in (True, False):
+        model_cfg = parse_args(["--model.share_prefixes", str(share).lower()], check_files=False).model
+        policy = TrainablePolicy.load(tiny_folder, model_cfg, torch.device("cpu"), reference=False)
+        assert policy.lm.shares_prefixes is share
+        policy.train_mode()
+        out[share] = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0), "group")
+        grads[share] = _grads(policy)
+    assert out[True]["loss_tokens"] == out[False]["loss_tokens"]
+    assert out[False]["forward_tokens"] == out[False]["batch_tokens"]
+    assert out[True]["forward_tokens"] < 0.6 * out[False]["forward_tokens"]
+    assert out[True]["loss"] == pytest.approx(out[False]["loss"], rel=1e-5, abs=1e-7)
+    assert (grads[True] - grads[False]).norm() <= 1e-4 * grads[False].norm()
+    assert grads[False].norm() > 0
+
+
 @pytest.mark.slow  # three RL passes on real episodes (~2.4 s)
 def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
     """Engine log-probs equal to the trainer's: TIS changes nothing. Engine

@@ -1,0 +1,225 @@
+"""One forward pass per shared prompt: the layout that drops repeated prefixes.
+
+The G rollouts of a group start with the same prompt (system prompt, function
+docs, first user turn): on BFCL that is ~1.8k tokens before a reply of a few
+dozen. Packed as separate sequences, every forward and backward pass computes
+that prompt G times. A causal decoder's hidden state at position ``t``
+depends only on tokens ``0..t``, so the rows of a shared prefix are the same
+in every sequence that has it: computing them once and reading them G times
+gives the same hidden states and, through the gather's backward (which sums
+the rows' gradients), the same gradients.
+
+The layout (``shared_prefix_layout``) is a prefix tree over a micro-batch's
+sequences: each sequence continues the earlier one it shares the longest
+prefix with and forwards only its tail (a *branch*), with its own position
+ids; the mask lets the tail attend to the rows of its shared prefix, wherever
+in the tree they are, and to itself causally. A sequence that shares fewer
+than ``MIN_SHARED_TOKENS`` with every earlier one is forwarded whole (a
+*root*). On BFCL the tree has up to four levels: the system preamble every
+entry shares (149 tokens with the compact docs), the function docs of entries
+that use the same API classes (up to ~5.5k tokens), each group's first user
+turn, and (RC-GRPO) the rollouts of one reward token up to their first
+sampled token.
+
+Nothing downstream changes: ``expand`` maps every packed token of the batch to
+its row in the forwarded tokens, so the hidden states come back in the
+batch's own layout (``rcgrpo.attention.decoder_hidden_states``), and the
+losses, log-probs and their per-sequence normalisers see the batch as packed.
+
+Sharing needs an attention mask; flash-attn's varlen kernel (GPU) takes only
+sequence boundaries, so there the batch is forwarded as packed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rcgrpo.batch import PackedBatch, balance_micro_batches
+
+__all__ = ["SharedPrefixLayout", "shared_prefix_layout", "common_prefix_length", "forwarded_tokens",
+           "micro_batch_plan"]
+
+# Sharing fewer tokens than this is not worth a segment of its own (a row of
+# the visibility table, a pass of the mask build): such a sequence is
+# forwarded whole, as a root.
+MIN_SHARED_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SharedPrefixLayout:
+    """Which packed tokens are forwarded and how each reads its hidden state.
+
+    Attributes:
+        keep: [M] int64, the packed positions forwarded, in packed order.
+        expand: [N] int64, for each packed position, its row among the M
+            forwarded tokens (its own row, or the row of the same position in
+            the segment that holds its shared prefix).
+        segment: [M] int64, the segment of each forwarded token: one per
+            forwarded sequence (a root) or sequence tail (a branch).
+        visible: [K, K] int64, K segments: queries of segment q see keys of
+            segment a at positions below ``visible[q, a]`` (and their own
+            segment causally): the start of the branch taken at each ancestor
+            on q's path, 0 for a segment off it.
+        seq_root: per sequence, the root sequence its path starts in (itself
+            for a root).
+        seq_forwarded: per sequence, the tokens it forwards itself.
+    """
+
+    keep: torch.Tensor
+    expand: torch.Tensor
+    segment: torch.Tensor
+    visible: torch.Tensor
+    seq_root: tuple[int, ...]
+    seq_forwarded: tuple[int, ...]
+
+    @property
+    def num_forwarded(self) -> int:
+        return int(self.keep.numel())
+
+    @property
+    def saved_tokens(self) -> int:
+        return int(self.expand.numel()) - self.num_forwarded
+
+    def attention_mask(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[1, 1, M, M] bool: True where forwarded query i may attend key j.
+        `position_ids` are the forwarded tokens' positions ([M]). Built one
+        segment's rows at a time: no [M, M] temporary beyond the mask."""
+        seg = self.segment
+        pos = position_ids.to(seg.device)
+        mask = torch.empty(seg.numel(), seg.numel(), dtype=torch.bool, device=seg.device)
+        bounds = torch.cumsum(torch.bincount(seg.cpu(), minlength=self.visible.shape[0]), 0).tolist()
+        lo = 0
+        for q, hi in enumerate(bounds):
+            limit = self.visible[q].to(seg.device)[seg]  # [M]: each key seen below this position
+            torch.logical_and(pos[None, :] < limit[None, :], pos[None, :] <= pos[lo:hi, None], out=mask[lo:hi])
+            lo = hi
+        return mask[None, None]
+
+
+def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of two 1-D tensors."""
+    n = min(a.numel(), b.numel())
+    if n == 0:
+        return 0
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0, 0]) if differ.numel() else n
+
+
+_OWN = torch.iinfo(torch.int64).max  # a segment sees its own keys at every position (then causally)
+
+
+def shared_prefix_layout(batch: PackedBatch, min_shared_tokens: int = MIN_SHARED_TOKENS) -> SharedPrefixLayout:
+    """The prefix tree of the module docstring.
+
+    Each sequence, in packed order, continues the earlier sequence it shares
+    the longest prefix with (token ids and position ids both equal: a shared
+    row must be the same token at the same position), when that prefix is at
+    least `min_shared_tokens` long; its tail (a branch) is forwarded and the
+    rest read from the rows that hold that prefix. Otherwise it is forwarded
+    whole (a root). A sequence contained whole in an earlier one forwards
+    nothing.
+    """
+    cu = batch.cu_seqlens.tolist()
+    ids, pos = batch.input_ids.cpu(), batch.position_ids.cpu()
+    expand = torch.empty(batch.num_tokens, dtype=torch.long)
+    keep: list[torch.Tensor] = []
+    segment: list[torch.Tensor] = []
+    seg_start: list[int] = []  # per segment: position of its first token
+    seg_parent: list[int] = []  # per segment: the segment it branches from, -1 for a root
+    visible: list[dict[int, int]] = []  # per segment: {ancestor or itself: limit}
+    seq_path_end: list[int] = []  # per sequence: the deepest segment on its path (-1: none yet)
+    seq_root: list[int] = []
+    seq_forwarded: list[int] = []
+    forwarded = 0
+    for s in range(batch.num_seqs):
+        lo, hi = cu[s], cu[s + 1]
+        best, shared = -1, 0
+        for r in range(s):
+            n = min(common_prefix_length(ids[lo:hi], ids[cu[r]:cu[r + 1]]),
+                    common_prefix_length(pos[lo:hi], pos[cu[r]:cu[r + 1]]))
+            if n > shared:
+                best, shared = r, n
+        if shared < min_shared_tokens:
+            best, shared = -1, 0
+        parent = -1
+        if best >= 0:
+            expand[lo:lo + shared] = expand[cu[best]:cu[best] + shared]
+            parent = seq_path_end[best]
+            while seg_start[parent] > shared - 1:  # walk up to the segment holding position shared - 1
+                parent = seg_parent[parent]
+        tail = hi - lo - shared
+        if tail:
+            seg = len(seg_start)
+            seg_start.append(shared)
+            seg_parent.append(parent)
+            # Each ancestor is seen up to where this path leaves it; the parent
+            # up to this branch's start.
+            seen = dict(visible[parent]) if parent >= 0 else {}
+            if parent >= 0:
+                seen[parent] = shared
+            seen[seg] = _OWN
+            visible.append(seen)
+            keep.append(torch.arange(lo + shared, hi))
+            segment.append(torch.full((tail,), seg, dtype=torch.long))
+            expand[lo + shared:hi] = torch.arange(forwarded, forwarded + tail)
+            forwarded += tail
+            seq_path_end.append(seg)
+        else:
+            seq_path_end.append(parent)
+        seq_root.append(s if best < 0 else seq_root[best])
+        seq_forwarded.append(tail)
+    table = torch.zeros(len(visible), len(visible), dtype=torch.long)
+    for q, seen in enumerate(visible):
+        for a, limit in seen.items():
+            table[q, a] = limit
+    device = batch.input_ids.device
+    return SharedPrefixLayout(
+        keep=torch.cat(keep).to(device), expand=expand.to(device), segment=torch.cat(segment).to(device),
+        visible=table, seq_root=tuple(seq_root), seq_forwarded=tuple(seq_forwarded),
+    )
+
+
+def forwarded_tokens(batch: PackedBatch, share_prefixes: bool) -> int:
+    """Tokens the decoder computes for `batch` (what
+    ``rcgrpo.attention.decoder_hidden_states`` forwards)."""
+    if not share_prefixes or batch.num_seqs == 1:
+        return batch.num_tokens
+    return shared_prefix_layout(batch).num_forwarded
+
+
+def micro_batch_plan(batch: PackedBatch, micro_batch_tokens: int, share_prefixes: bool,
+                     min_bins: int = 1) -> list[list[int]]:
+    """Sequence indices of each micro-batch (ascending), balanced on the
+    tokens each forward pass computes.
+
+    Without sharing: ``balance_micro_batches`` on the sequence lengths. With
+    it, the unit is a prompt group (``seq_group``), costed as forwarded with
+    its prefixes shared, so that a group's prompt is forwarded once per
+    micro-batch. A group over the budget is cut into parts of consecutive
+    sequences; the first of each later part is costed whole (it roots that
+    part's tree). Prefixes that different groups share (a common system
+    prompt) are shared too when they land together, but not planned for.
+    """
+    if not share_prefixes:
+        return balance_micro_batches(batch.seq_lens, micro_batch_tokens, min_bins)
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    lens = batch.seq_lens
+    groups: dict[int, list[int]] = {}
+    for s, g in enumerate(batch.seq_group.tolist()):
+        groups.setdefault(g, []).append(s)
+    units: list[tuple[list[int], int]] = []
+    for members in groups.values():
+        tails = shared_prefix_layout(batch.select(members)).seq_forwarded
+        part, cost = [members[0]], lens[members[0]]
+        for s, tail in zip(members[1:], tails[1:]):
+            if cost + tail > micro_batch_tokens:
+                units.append((part, cost))
+                part, cost = [s], lens[s]
+            else:
+                part.append(s)
+                cost += tail
+        units.append((part, cost))
+    bins = balance_micro_batches([cost for _, cost in units], micro_batch_tokens, min_bins)
+    return [sorted(s for u in b for s in units[u][0]) for b in bins]

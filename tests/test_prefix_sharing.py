@@ -1,0 +1,189 @@
+"""Prefix sharing (rcgrpo.prefix_sharing): the layout against a brute-force
+reading of what each token may see, the forward and backward on a real
+transformers model against separate forwards, and the micro-batch plan."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rcgrpo.batch import Trajectory, balance_micro_batches, pack
+from rcgrpo.policy import TrainablePolicy
+from rcgrpo.prefix_sharing import MIN_SHARED_TOKENS, micro_batch_plan, shared_prefix_layout
+
+
+def _rand(n, g):
+    return torch.randint(0, 100, (n,), generator=g).tolist()
+
+
+def bfcl_shaped(seed=0, groups=3, group_size=3, preamble=40, docs=60, tail=(5, 20)):
+    """Trajectories shaped like an RC-GRPO step: a preamble every group shares,
+    each group's own docs, a reward token (two kinds) and sampled tails."""
+    g = torch.Generator().manual_seed(seed)
+    pre = _rand(preamble, g)
+    out = []
+    for k in range(groups):
+        prompt = pre + _rand(docs, g)
+        for i in range(group_size):
+            token = [101 + (i % 2)]  # two reward tokens
+            reply = _rand(int(torch.randint(tail[0], tail[1], (1,), generator=g)), g)
+            ids = prompt + token + [7, 8] + reply
+            out.append(Trajectory(ids, [0] * (len(ids) - len(reply)) + [1] * len(reply), group=k,
+                                  reward=float((i + k) % 2)))
+    return out
+
+
+def visible_by_definition(batch, layout):
+    """[M, M] bool from first principles: forwarded row q (token t of sequence
+    s) may see row r iff r holds one of s's tokens 0..t."""
+    cu = batch.cu_seqlens.tolist()
+    m = layout.num_forwarded
+    kept = set(layout.keep.tolist())
+    owner = {}  # forwarded row -> (sequence, position) of the packed token it was forwarded for
+    for s in range(batch.num_seqs):
+        for p in range(cu[s], cu[s + 1]):
+            if p in kept:
+                owner[int(layout.expand[p])] = (s, p - cu[s])
+    expect = torch.zeros(m, m, dtype=torch.bool)
+    for q, (s, t) in owner.items():
+        for j in range(t + 1):
+            expect[q, int(layout.expand[cu[s] + j])] = True
+    return expect
+
+
+def test_every_token_reads_its_own_token_at_its_own_position():
+    batch = pack(bfcl_shaped())
+    lay = shared_prefix_layout(batch)
+    ids, pos = batch.input_ids[lay.keep], batch.position_ids[lay.keep]
+    assert torch.equal(ids[lay.expand], batch.input_ids)
+    assert torch.equal(pos[lay.expand], batch.position_ids)
+    # The preamble once, each group's docs once, each reward token's first sequence up to its reply.
+    assert lay.num_forwarded < batch.num_tokens / 2
+
+
+def test_mask_is_what_each_token_may_see():
+    batch = pack(bfcl_shaped(seed=1, groups=3, group_size=4))
+    lay = shared_prefix_layout(batch)
+    mask = lay.attention_mask(batch.position_ids[lay.keep])[0, 0]
+    assert torch.equal(mask, visible_by_definition(batch, lay))
+
+
+def test_tree_levels_preamble_group_and_reward_token():
+    """Group 1's second sequence continues group 1's first (docs shared), not
+    group 0's (preamble only); the third (same reward token as the first)
+    shares past the token."""
+    trajs = bfcl_shaped(seed=2, groups=2, group_size=3, preamble=40, docs=60)
+    batch = pack(trajs)
+    lay = shared_prefix_layout(batch)
+    n = [len(t) for t in trajs]
+    reply = [sum(t.sampled_mask) for t in trajs]
+    assert lay.seq_forwarded[0] == n[0]  # the first root
+    assert lay.seq_forwarded[1] == 3 + reply[1]  # other token: from it on
+    assert lay.seq_forwarded[2] == reply[2]  # same token as the first: only its reply
+    assert lay.seq_forwarded[3] == n[3] - 40  # a new group: all but the preamble
+    assert lay.seq_forwarded[4] == 3 + reply[4]
+    assert lay.seq_root == (0,) * 6
+
+
+def test_short_common_prefixes_and_shifted_positions_are_not_shared():
+    g = torch.Generator().manual_seed(3)
+    a = _rand(50, g)
+    b = a[:MIN_SHARED_TOKENS - 1] + _rand(30, g)
+    batch = pack([Trajectory(a, [0] * 50), Trajectory(b, [0] * len(b))])
+    assert shared_prefix_layout(batch).saved_tokens == 0
+    # Same tokens at other positions are other rows.
+    shifted = pack([Trajectory(a, [0] * 50), Trajectory(a, [0] * 50)])
+    shifted.position_ids[50:] += 1
+    assert shared_prefix_layout(shifted).saved_tokens == 0
+    assert shared_prefix_layout(pack([Trajectory(a, [0] * 50)] * 2)).saved_tokens == 50
+
+
+def test_a_sequence_inside_another_forwards_nothing():
+    g = torch.Generator().manual_seed(4)
+    a = _rand(60, g)
+    batch = pack([Trajectory(a, [0] * 60), Trajectory(a[:30], [0] * 30), Trajectory(a[:40] + [5, 6], [0] * 42)])
+    lay = shared_prefix_layout(batch)
+    assert lay.seq_forwarded == (60, 0, 2)
+    assert torch.equal(batch.input_ids[lay.keep][lay.expand], batch.input_ids)
+    mask = lay.attention_mask(batch.position_ids[lay.keep])[0, 0]
+    assert torch.equal(mask, visible_by_definition(batch, lay))
+
+
+# ---------------------------------------------------------------- on a real model
+
+
+def _tiny_llama(attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=110, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg)
+
+
+def _loss_and_grads(model, batch, share):
+    model.zero_grad()
+    policy = TrainablePolicy(model, share_prefixes=share)
+    hidden = policy.lm.hidden_states(batch)
+    lp = torch.log_softmax(model.lm_head(hidden), -1).gather(-1, batch.targets[:, None])[:, 0]
+    # Every token's log-prob, weighted: rows inside shared prefixes carry gradient too.
+    weights = torch.linspace(0.5, 1.5, batch.num_tokens)
+    loss = -(lp * weights * (batch.targets > 0)).sum()
+    loss.backward()
+    return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_forward_and_backward_equal_separate_sequences(attn):
+    model = _tiny_llama(attn)
+    trajs = bfcl_shaped(seed=5)
+    batch = pack(trajs)
+    assert shared_prefix_layout(batch).saved_tokens > batch.num_tokens / 2
+    shared_h, shared_g = _loss_and_grads(model, batch, share=True)
+    packed_h, packed_g = _loss_and_grads(model, batch, share=False)
+    with torch.no_grad():
+        separate = torch.cat([model.model(input_ids=torch.tensor([t.token_ids])).last_hidden_state[0]
+                              for t in trajs])
+    assert (shared_h - separate).abs().max() < 1e-4
+    assert (packed_h - separate).abs().max() < 1e-4
+    for name, g in packed_g.items():
+        assert torch.allclose(shared_g[name], g, rtol=1e-4, atol=1e-5), name
+
+
+def test_flash_attention_varlen_does_not_share():
+    model = _tiny_llama("sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    assert not TrainablePolicy(model).lm.shares_prefixes
+    model.config._attn_implementation = "sdpa"
+    assert TrainablePolicy(model).lm.shares_prefixes
+    assert not TrainablePolicy(model, share_prefixes=False).lm.shares_prefixes
+
+
+# ---------------------------------------------------------------- the micro-batch plan
+
+
+@pytest.mark.parametrize("budget", [150, 300, 700, 5000])
+def test_plan_keeps_groups_together_within_the_budget(budget):
+    batch = pack(bfcl_shaped(seed=6, groups=4, group_size=4))
+    plan = micro_batch_plan(batch, budget, share_prefixes=True)
+    assert sorted(i for b in plan for i in b) == list(range(batch.num_seqs))
+    assert all(b == sorted(b) for b in plan)
+    group_of = batch.seq_group.tolist()
+    for b in plan:
+        forwarded = shared_prefix_layout(batch.select(b)).num_forwarded
+        # Over the budget only when one group's part alone is (a part's first sequence is whole).
+        assert forwarded <= budget or len({group_of[i] for i in b}) == 1
+    whole_group = shared_prefix_layout(batch.select([0, 1, 2, 3])).num_forwarded
+    if budget >= whole_group:
+        for b in plan:  # a group that fits is never split
+            groups = {group_of[i] for i in b}
+            assert all(sum(group_of[i] == g for i in b) == 4 for g in groups)
+    unshared = balance_micro_batches(batch.seq_lens, budget)
+    assert len(plan) <= len(unshared)
+
+
+def test_plan_without_sharing_is_the_length_balance():
+    batch = pack(bfcl_shaped(seed=7))
+    assert micro_batch_plan(batch, 200, share_prefixes=False) == balance_micro_batches(batch.seq_lens, 200)
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        micro_batch_plan(batch, 0, share_prefixes=True)
