@@ -12,11 +12,11 @@ GRPO update (loss grpo, beta 0, lr 1e-6, eps 0.2), for STEPS steps. Same
   (weights into the in-process vLLM engine, `run_episodes`, `rl_step` with
   the fused chunked loss);
 - TRL 1.16: `GRPOTrainer.train()` with our reward function, generating with
-  its HF `generate` (TRL_GENERATION below says why not vLLM colocate); one
-  completion per forward/backward on both sides (TRL: per-device batch 1 with
-  gradient accumulation over the step's completions; rcgrpo: micro-batches
-  of at most MICRO_BATCH_TOKENS forwarded tokens, i.e. one prompt group,
-  whose shared prompt it forwards once: rcgrpo.prefix_sharing).
+  its HF `generate` (TRL_GENERATION below says why not vLLM colocate). TRL
+  runs one completion per forward/backward (per-device batch 1 with gradient
+  accumulation over the step's completions); rcgrpo micro-batches of at most
+  MICRO_BATCH_TOKENS forwarded tokens, i.e. one prompt group, whose shared
+  prompt it forwards once (rcgrpo.prefix_sharing).
 
 Gradient checkpointing is on for both in one pair of runs (TRL 1.16's
 GRPOConfig default) and off for both in the other: the same setting on
@@ -107,7 +107,7 @@ from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
 if __name__ == "__main__":
     folder = resolve_model_folder(None)
-    # Micro-batches of one completion each (a prompt is ~1.8k tokens), as TRL's side.
+    # Micro-batches of one prompt group each: a ~1.8k-token prompt, forwarded once, and its G replies.
     cfg = parse_args(["--fused", "--out-dir", sys.argv[1], "--name", "bench", "--run.tensorboard", "false",
                       "--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS),
                       "--model.gradient_checkpointing", os.environ["BENCH_GC"]], check_files=False)
