@@ -3,25 +3,41 @@
 ``position_ids`` restart at 0 per sequence, but they are NOT a reliable way to
 keep packed sequences apart in transformers: with the model's default
 ``use_cache=True`` (transformers 5.19) the packing detection is skipped and
-sequences attend to each other. ``decoder_hidden_states`` therefore passes an
-explicit causal mask that keeps sequences apart on CPU (additive: ``eager``
-adds a bool mask as 0/1 and silently gets it wrong), and flash-attn's varlen
-``cu_seqlens`` on GPU, where an N x N mask is too big. On the mask path the
-prompt prefix a group's sequences share is forwarded once
-(``rcgrpo.prefix_sharing``).
+sequences attend to each other. ``decoder_hidden_states`` therefore keeps
+them apart explicitly:
+
+* ``sdpa`` (CPU, and GPUs without flash-attn): the policy's models run
+  ``SEGMENT_SDPA``, torch's SDPA called once per segment of the batch (a
+  sequence, or the tail of one that shares a prefix) over just the keys
+  that segment may see. One SDPA call with an [N, N] mask computes every
+  query-key pair, masked or not (``benchmarks/test_packed_attention.py``:
+  8 sequences in 4,096 tokens cost 8x), and on CPU keeps an [N, N] float
+  copy per layer for the backward pass.
+* ``eager``: an additive [N, N] mask (a bool mask would be added as 0/1).
+* flash-attn (GPU): varlen ``cu_seqlens``, where an N x N mask is too big.
+
+On the first two the prompt prefix a group's sequences share is forwarded
+once (``rcgrpo.prefix_sharing``).
 """
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from rcgrpo.batch import PackedBatch
-from rcgrpo.prefix_sharing import shared_prefix_layout
+from rcgrpo.prefix_sharing import SharedPrefixLayout, shared_prefix_layout
 
 __all__ = ["block_causal_mask", "additive_mask", "default_attn_implementation", "uses_varlen_attention",
-           "decoder_hidden_states"]
+           "SEGMENT_SDPA", "use_segment_sdpa", "AttentionSegment", "segment_plan", "decoder_hidden_states"]
+
+# The name the policy's sdpa models run under (registered with transformers'
+# attention and mask interfaces): SDPA per segment when a forward passes a
+# `segment_plan`, plain SDPA otherwise (generation, any other caller).
+SEGMENT_SDPA = "rcgrpo_segment_sdpa"
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
@@ -60,6 +76,83 @@ def uses_varlen_attention(config) -> bool:
     return "flash" in str(getattr(config, "_attn_implementation", "") or "")
 
 
+@dataclass(frozen=True)
+class AttentionSegment:
+    """One SDPA call: queries ``rows[0]:rows[1]`` of the forwarded tokens
+    attend to keys ``keys_from:rows[1]`` under ``mask`` ([1, 1, q, k] bool),
+    or causally to their own rows when ``mask`` is None (a root)."""
+
+    rows: tuple[int, int]
+    keys_from: int
+    mask: Optional[torch.Tensor]
+
+
+def segment_plan(layout: SharedPrefixLayout, position_ids: torch.Tensor) -> list[AttentionSegment]:
+    """The SDPA calls of one packed forward, a segment each, in row order.
+
+    A root attends to itself causally (SDPA's causal kernel, no mask). A
+    branch attends to the key rows from its earliest ancestor's first row to
+    its own last (a slice, so the keys are views, never copies), with the
+    layout's visibility over that range as its mask: what it computes beyond
+    the pairs it needs is the other branches in between, tails of a few
+    hundred tokens."""
+    seg = layout.segment
+    pos = position_ids.to(seg.device)
+    counts = torch.bincount(seg.cpu(), minlength=layout.visible.shape[0]).tolist()
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    plan = []
+    for q in range(len(counts)):
+        lo, hi = starts[q], starts[q + 1]
+        ancestors = [a for a in range(len(counts)) if a != q and int(layout.visible[q, a]) > 0]
+        if not ancestors:
+            plan.append(AttentionSegment((lo, hi), lo, None))
+            continue
+        first = starts[min(ancestors)]
+        limit = layout.visible[q].to(seg.device)[seg[first:hi]]
+        keys = pos[first:hi]
+        mask = (keys[None, :] < limit[None, :]) & (keys[None, :] <= pos[lo:hi, None])
+        plan.append(AttentionSegment((lo, hi), first, mask[None, None]))
+    return plan
+
+
+def _segment_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, segment_plan: list[AttentionSegment] | None = None,
+                            **kwargs):
+    """transformers' attention-function signature ([B, H, T, D] in, [B, T, H, D]
+    out). Without a plan: transformers' own SDPA, unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if segment_plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    outs = []
+    for part in segment_plan:
+        lo, hi = part.rows
+        outs.append(F.scaled_dot_product_attention(
+            query[:, :, lo:hi], key[:, :, part.keys_from:hi], value[:, :, part.keys_from:hi],
+            attn_mask=part.mask, is_causal=part.mask is None, dropout_p=dropout, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1]))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def use_segment_sdpa(config) -> None:
+    """Run a transformers model whose attention is ``sdpa`` under
+    ``SEGMENT_SDPA`` (registered once; any other implementation is left as
+    it is). Its masks are built as for sdpa, so callers that pass no plan
+    (e.g. ``generate`` with padding) compute exactly what sdpa computes."""
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if SEGMENT_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(SEGMENT_SDPA, _segment_sdpa_attention)
+        AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)
+    config._attn_implementation = SEGMENT_SDPA
+
+
 def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, batch: PackedBatch,
                           share_prefixes: bool = True) -> torch.Tensor:
     """Final hidden states [N, H] of a transformers decoder (the causal LM
@@ -67,12 +160,15 @@ def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, ba
 
     * flash-attn implementations (GPU): ``position_ids`` plus explicit varlen
       kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``), no N x N mask;
-    * ``sdpa`` / ``eager``: with `share_prefixes`, each shared prompt prefix
-      is forwarded once (``rcgrpo.prefix_sharing``) and its rows read by every
-      sequence that has it; the mask keeps sequences apart. It is additive,
-      in ``mask_dtype``, for both: ``eager`` would add a bool mask as 0/1, and
-      ``sdpa``'s CPU kernel would convert a bool mask to an [M, M] float copy
-      in every layer's call; one additive mask serves all layers.
+    * ``SEGMENT_SDPA`` (what ``sdpa`` runs as in a policy): one SDPA call
+      per segment (``segment_plan``);
+    * ``sdpa`` / ``eager`` otherwise: an additive [M, M] mask in
+      ``mask_dtype`` (``eager`` would add a bool mask as 0/1; ``sdpa``'s CPU
+      kernel would convert a bool mask to a float copy in every layer).
+
+    With `share_prefixes` (all but flash-attn), each shared prompt prefix is
+    forwarded once (``rcgrpo.prefix_sharing``) and its rows read by every
+    sequence that has it.
 
     Other implementations (e.g. flex_attention) are refused rather than
     silently mixing sequences.
@@ -84,7 +180,7 @@ def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, ba
         out = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
         return out.last_hidden_state[0]
-    if impl not in ("sdpa", "eager"):
+    if impl not in ("sdpa", "eager", SEGMENT_SDPA):
         raise ValueError(
             f"packed forward: attention implementation {impl!r} is not supported; "
             "use 'sdpa' or 'eager' (CPU) or 'flash_attention_2' (GPU)"
@@ -94,6 +190,12 @@ def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, ba
         # fused kernel with no [M, M] tensor at all.
         out = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False)
         return out.last_hidden_state[0]
+    if impl == SEGMENT_SDPA:
+        layout = shared_prefix_layout(batch, share=share_prefixes)
+        ids, pos = batch.input_ids[layout.keep], batch.position_ids[layout.keep]
+        out = decoder(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                      segment_plan=segment_plan(layout, pos))
+        return out.last_hidden_state[0][layout.expand]
     if share_prefixes:
         layout = shared_prefix_layout(batch)
         ids, pos = batch.input_ids[layout.keep], batch.position_ids[layout.keep]

@@ -40,7 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from rcgrpo import distributed
-from rcgrpo.attention import decoder_hidden_states, default_attn_implementation, uses_varlen_attention
+from rcgrpo.attention import (
+    decoder_hidden_states,
+    default_attn_implementation,
+    use_segment_sdpa,
+    uses_varlen_attention,
+)
 from rcgrpo.batch import PackedBatch
 
 MASTER_DTYPE = torch.float32
@@ -56,7 +61,8 @@ class PackedLM:
         self._decoder, self._config, self._head_weight = decoder, config, head_weight
         self.compute_dtype = compute_dtype
         self._autocast_device = autocast_device  # None: parameters already are in the compute dtype
-        # Prefix sharing needs a mask; the varlen kernel takes boundaries only.
+        use_segment_sdpa(config)  # sdpa: one call per packed segment, not an [N, N] mask
+        # Prefix sharing needs a mask or segments; the varlen kernel takes boundaries only.
         self.shares_prefixes = share_prefixes and not uses_varlen_attention(config)
 
     def _autocast(self):

@@ -109,7 +109,8 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
 _OWN = torch.iinfo(torch.int64).max  # a segment sees its own keys at every position (then causally)
 
 
-def shared_prefix_layout(batch: PackedBatch, min_shared_tokens: int = MIN_SHARED_TOKENS) -> SharedPrefixLayout:
+def shared_prefix_layout(batch: PackedBatch, min_shared_tokens: int = MIN_SHARED_TOKENS,
+                         share: bool = True) -> SharedPrefixLayout:
     """The prefix tree of the module docstring.
 
     Each sequence, in packed order, continues the earlier sequence it shares
@@ -118,7 +119,8 @@ def shared_prefix_layout(batch: PackedBatch, min_shared_tokens: int = MIN_SHARED
     least `min_shared_tokens` long; its tail (a branch) is forwarded and the
     rest read from the rows that hold that prefix. Otherwise it is forwarded
     whole (a root). A sequence contained whole in an earlier one forwards
-    nothing.
+    nothing. `share=False`: every sequence a root (the packed batch as is,
+    in segments).
     """
     cu = batch.cu_seqlens.tolist()
     ids, pos = batch.input_ids.cpu(), batch.position_ids.cpu()
@@ -135,7 +137,7 @@ def shared_prefix_layout(batch: PackedBatch, min_shared_tokens: int = MIN_SHARED
     for s in range(batch.num_seqs):
         lo, hi = cu[s], cu[s + 1]
         best, shared = -1, 0
-        for r in range(s):
+        for r in range(s if share else 0):
             n = min(common_prefix_length(ids[lo:hi], ids[cu[r]:cu[r + 1]]),
                     common_prefix_length(pos[lo:hi], pos[cu[r]:cu[r + 1]]))
             if n > shared:

@@ -121,6 +121,33 @@ def test_eager_with_bool_mask_is_wrong():
     assert (wrong - separate).abs().max() > 1e-2
 
 
+def test_a_policy_runs_sdpa_per_segment_and_plain_calls_stay_sdpa():
+    """Inside a policy an sdpa model runs SEGMENT_SDPA; a call without a
+    segment plan (here: generate over a left-padded batch) computes what
+    sdpa computes."""
+    from rcgrpo.attention import SEGMENT_SDPA
+
+    model = _tiny_llama("sdpa")
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    attention = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+
+    def greedy():
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=6, do_sample=False,
+                                  pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+
+    before = greedy()
+    TrainablePolicy(model)
+    assert model.config._attn_implementation == SEGMENT_SDPA
+    after = greedy()
+    assert torch.equal(after.sequences, before.sequences)
+    for a, b in zip(after.scores, before.scores):
+        assert torch.allclose(a, b, atol=1e-5)
+    eager = _tiny_llama("eager")
+    TrainablePolicy(eager)
+    assert eager.config._attn_implementation == "eager"
+
+
 def test_default_attn_implementation_on_cpu():
     assert default_attn_implementation("cpu") == "sdpa"
 

@@ -133,9 +133,15 @@ def _loss_and_grads(model, batch, share):
     return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_shared_forward_and_backward_equal_separate_sequences(attn):
+@pytest.mark.parametrize("attn,checkpointing", [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_shared_forward_and_backward_equal_separate_sequences(attn, checkpointing):
+    """sdpa runs as SEGMENT_SDPA inside a policy (one call per segment),
+    eager with the [M, M] mask; with gradient checkpointing the recomputed
+    forward takes the same calls."""
     model = _tiny_llama(attn)
+    if checkpointing:
+        model.train()
+        model.gradient_checkpointing_enable()
     trajs = bfcl_shaped(seed=5)
     batch = pack(trajs)
     assert shared_prefix_layout(batch).saved_tokens > batch.num_tokens / 2
