@@ -11,7 +11,7 @@ them apart explicitly:
   sequence, or the tail of one that shares a prefix) over just the keys
   that segment may see. One SDPA call with an [N, N] mask computes every
   query-key pair, masked or not (``benchmarks/test_packed_attention.py``:
-  8 sequences in 4,096 tokens cost 8x), and on CPU keeps an [N, N] float
+  8 sequences in 4,096 tokens cost 7-8x), and on CPU keeps an [N, N] float
   copy per layer for the backward pass.
 * ``eager``: an additive [N, N] mask (a bool mask would be added as 0/1).
 * flash-attn (GPU): varlen ``cu_seqlens``, where an N x N mask is too big.
