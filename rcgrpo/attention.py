@@ -93,9 +93,12 @@ def segment_plan(layout: SharedPrefixLayout, position_ids: torch.Tensor) -> list
     A root attends to itself causally (SDPA's causal kernel, no mask). A
     branch attends to the key rows from its earliest ancestor's first row to
     its own last (a slice, so the keys are views, never copies), with the
-    layout's visibility over that range as its mask: what it computes beyond
-    the pairs it needs is the other branches in between, tails of a few
-    hundred tokens."""
+    layout's visibility over that range as its mask. What it computes beyond
+    the pairs it needs is the segments in between: sibling branches (tails
+    of a few hundred tokens) or, for a branch off another group's prompt
+    (BFCL's 149-token preamble), the groups between the two. Never more
+    pairs than one [M, M] masked call; gathering just the visible rows for
+    such branches would cut the rest."""
     seg = layout.segment
     pos = position_ids.to(seg.device)
     counts = torch.bincount(seg.cpu(), minlength=layout.visible.shape[0]).tolist()
