@@ -130,7 +130,7 @@ def environment():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     impl = default_attn_implementation(dev)
     env["attention"] = impl + ("" if impl.startswith("flash") else
-                               " (flash-attn missing: packed micro-batches get a [1, 1, N, N] block-causal mask)")
+                               " (flash-attn missing: packed micro-batches run sdpa once per segment)")
     return env
 
 
