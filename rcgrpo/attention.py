@@ -99,23 +99,14 @@ def segment_plan(layout: SharedPrefixLayout, position_ids: torch.Tensor) -> list
     (BFCL's 149-token preamble), the groups between the two. Never more
     pairs than one [M, M] masked call; gathering just the visible rows for
     such branches would cut the rest."""
-    seg = layout.segment
-    pos = position_ids.to(seg.device)
-    counts = torch.bincount(seg.cpu(), minlength=layout.visible.shape[0]).tolist()
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
     plan = []
-    for q in range(len(counts)):
-        lo, hi = starts[q], starts[q + 1]
-        ancestors = [a for a in range(len(counts)) if a != q and int(layout.visible[q, a]) > 0]
+    for q, (lo, hi) in enumerate(layout.segment_rows):
+        ancestors = [a for a in torch.nonzero(layout.visible[q]).reshape(-1).tolist() if a != q]
         if not ancestors:
             plan.append(AttentionSegment((lo, hi), lo, None))
             continue
-        first = starts[min(ancestors)]
-        limit = layout.visible[q].to(seg.device)[seg[first:hi]]
-        keys = pos[first:hi]
-        mask = (keys[None, :] < limit[None, :]) & (keys[None, :] <= pos[lo:hi, None])
+        first = layout.segment_rows[min(ancestors)][0]
+        mask = layout.visibility(q, position_ids, first, hi)
         plan.append(AttentionSegment((lo, hi), first, mask[None, None]))
     return plan
 
@@ -150,9 +141,8 @@ def use_segment_sdpa(config) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if SEGMENT_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(SEGMENT_SDPA, _segment_sdpa_attention)
-        AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)
+    AttentionInterface.register(SEGMENT_SDPA, _segment_sdpa_attention)  # idempotent: a dict entry
+    AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)
     config._attn_implementation = SEGMENT_SDPA
 
 

@@ -32,13 +32,14 @@ sequence boundaries, so there the batch is forwarded as packed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from rcgrpo.batch import PackedBatch, balance_micro_batches
 
 __all__ = ["SharedPrefixLayout", "shared_prefix_layout", "common_prefix_length", "forwarded_tokens",
-           "micro_batch_plan"]
+           "micro_batch_plan", "micro_batches"]
 
 # Sharing fewer tokens than this is not worth a segment of its own (a row of
 # the visibility table, a pass of the mask build): such a sequence is
@@ -81,19 +82,29 @@ class SharedPrefixLayout:
     def saved_tokens(self) -> int:
         return int(self.expand.numel()) - self.num_forwarded
 
+    @cached_property
+    def segment_rows(self) -> list[tuple[int, int]]:
+        """Per segment, its forwarded rows [lo, hi) (segments are contiguous, in order)."""
+        ends = torch.cumsum(torch.bincount(self.segment.cpu(), minlength=self.visible.shape[0]), 0).tolist()
+        return list(zip([0] + ends[:-1], ends))
+
+    def visibility(self, q: int, position_ids: torch.Tensor, keys_from: int = 0,
+                   keys_to: int | None = None) -> torch.Tensor:
+        """[rows of segment q, keys_from:keys_to] bool: which of those keys its
+        queries may attend. `position_ids` are the forwarded tokens' ([M])."""
+        lo, hi = self.segment_rows[q]
+        pos = position_ids.to(self.segment.device)
+        keys = pos[keys_from:keys_to]
+        limit = self.visible[q].to(self.segment.device)[self.segment[keys_from:keys_to]]  # each key seen below this
+        return (keys[None, :] < limit[None, :]) & (keys[None, :] <= pos[lo:hi, None])
+
     def attention_mask(self, position_ids: torch.Tensor) -> torch.Tensor:
         """[1, 1, M, M] bool: True where forwarded query i may attend key j.
-        `position_ids` are the forwarded tokens' positions ([M]). Built one
-        segment's rows at a time: no [M, M] temporary beyond the mask."""
-        seg = self.segment
-        pos = position_ids.to(seg.device)
-        mask = torch.empty(seg.numel(), seg.numel(), dtype=torch.bool, device=seg.device)
-        bounds = torch.cumsum(torch.bincount(seg.cpu(), minlength=self.visible.shape[0]), 0).tolist()
-        lo = 0
-        for q, hi in enumerate(bounds):
-            limit = self.visible[q].to(seg.device)[seg]  # [M]: each key seen below this position
-            torch.logical_and(pos[None, :] < limit[None, :], pos[None, :] <= pos[lo:hi, None], out=mask[lo:hi])
-            lo = hi
+        Built one segment's rows at a time: no [M, M] temporary beyond the mask."""
+        m = self.num_forwarded
+        mask = torch.empty(m, m, dtype=torch.bool, device=self.segment.device)
+        for q, (lo, hi) in enumerate(self.segment_rows):
+            mask[lo:hi] = self.visibility(q, position_ids)
         return mask[None, None]
 
 
@@ -225,3 +236,8 @@ def micro_batch_plan(batch: PackedBatch, micro_batch_tokens: int, share_prefixes
         units.append((part, cost))
     bins = balance_micro_batches([cost for _, cost in units], micro_batch_tokens, min_bins)
     return [sorted(s for u in b for s in units[u][0]) for b in bins]
+
+
+def micro_batches(batch: PackedBatch, micro_batch_tokens: int, share_prefixes: bool) -> list[PackedBatch]:
+    """`batch` cut into the micro-batches of ``micro_batch_plan``."""
+    return [batch.select(ix) for ix in micro_batch_plan(batch, micro_batch_tokens, share_prefixes)]

@@ -11,7 +11,7 @@ from rcgrpo import distributed
 from rcgrpo.batch import Trajectory, pack
 from rcgrpo.metrics import progress
 from rcgrpo.policy import TrainablePolicy
-from rcgrpo.prefix_sharing import micro_batch_plan
+from rcgrpo.prefix_sharing import micro_batches
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import sft_loss
@@ -48,9 +48,8 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
             # trajectories, weighted by the loss-token count over all ranks.
             lo, hi = distributed.rank_slice(chunk)
             full = pack(chunk[lo:hi]).to(ctx.device) if hi > lo else None
-            micros = [] if full is None else [
-                full.select(ix) for ix in micro_batch_plan(full, ctx.cfg.run.micro_batch_tokens,
-                                                           policy.lm.shares_prefixes)]
+            micros = [] if full is None else micro_batches(full, ctx.cfg.run.micro_batch_tokens,
+                                                           policy.lm.shares_prefixes)
             counts = distributed.all_reduce_sum(
                 {"loss_tokens": full.num_loss_tokens if full else 0, "tokens": full.num_tokens if full else 0})
             stats_sum, tokens = 0.0, 0

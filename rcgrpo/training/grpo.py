@@ -31,7 +31,7 @@ from rcgrpo.batch import (
 )
 from rcgrpo.metrics import progress
 from rcgrpo.policy import TrainablePolicy
-from rcgrpo.prefix_sharing import forwarded_tokens, micro_batch_plan
+from rcgrpo.prefix_sharing import forwarded_tokens, micro_batch_plan, micro_batches
 from rcgrpo.reward_tokens import rl_rollout_conditioning, short_name
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import awake
@@ -217,7 +217,9 @@ def _micro_batch_indices(ctx: RunContext, policy: TrainablePolicy, batch: Packed
 def _micro_batches(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None) -> list[PackedBatch]:
     # Micro-batches without a generated token (e.g. every rollout's prompt was
     # too long) carry no loss: their forward passes are skipped.
-    micros = (batch.select(ix) for ix in _micro_batch_indices(ctx, policy, batch))
+    if batch is None:
+        return []
+    micros = micro_batches(batch, ctx.cfg.run.micro_batch_tokens, policy.lm.shares_prefixes)
     return [m for m in micros if m.num_loss_tokens]
 
 
