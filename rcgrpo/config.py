@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import kernels
 from rcgrpo.atomic import atomic_write_text
+from rcgrpo.data.sources import FAILURE_SOURCES
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.errors import UserError
 from rcgrpo.prompts import DOC_STYLES
@@ -144,10 +145,11 @@ class DataConfig:
     categories: list[str] = _f(list(CATEGORIES), f"BFCL multi-turn categories, subset of {CATEGORIES}",
                                choices=CATEGORIES, nonempty=True, unique=True)
     max_prompt_tokens: int = _f(6144, "skip entries whose first prompt is longer (choice: fits an 8k context)", ge=1)
-    train_subset: Optional[int] = _f(None, "use only this many training entries (none = all 720)", ge=1)
+    train_subset: Optional[int] = _f(
+        None, "use only this many training entries, a seeded choice (none = all 720; ignored with entry_ids)", ge=1)
     entry_ids: Optional[list[str]] = _f(
-        None, "train only on these training-split entry ids, e.g. multi_turn_base_100 (none = all; then train_subset)",
-        nonempty=True, unique=True,
+        None, "train only on these training-split entry ids, e.g. multi_turn_base_100 (none = all; then "
+        "train_subset); an explicit list wins over train_subset", nonempty=True, unique=True,
     )
     seed: int = _f(0, "seed for data order, subsets, reward-token draws and torch", ge=0, le=SEED_MAX,
                    note="numpy's seed range")
@@ -174,10 +176,23 @@ class RctpConfig(SftConfig):
 
     epochs: int = _f(5, "epochs over the RCTP set (paper)", ge=1, note="use --stages to skip a stage")
     failure_ratio: float = _f(1.0, "failure : expert trajectories (paper: 1:1)", gt=0)
+    failure_source: str = _f(
+        "rollouts", f"where failures come from, one of {FAILURE_SOURCES}: reward-0 rollouts of the starting "
+        "model (paper), the expert with one call dropped or one argument changed (near_miss), or rollouts whose "
+        "first divergence from the expert comes at least min_divergence_tokens into the reply; each labelled by "
+        "executing it", choices=FAILURE_SOURCES)
     failure_attempts: int = _f(4, "rollouts of the starting model per training entry to find failures (choice)",
                                ge=0)
     failure_temperature: float = _f(1.0, "sampling temperature of those rollouts (choice)", gt=0)
-    fill_with_perturbed: bool = _f(True, "top up missing failures with perturbed expert trajectories")
+    min_divergence_tokens: int = _f(
+        8, "late_divergence: generated tokens a rollout must share with the expert before it parts (choice)", ge=1)
+    fill_with_perturbed: bool = _f(True, "top up a rollout source short of failures with near misses")
+    steer_every: int = _f(
+        1, "RCTP steps between measurements of the steer (how much more likely the expert's token is under the "
+        "high tag than the low at each pair's first divergent token; also at step 0); 0 = off", resume_safe=True,
+        ge=0)
+    steer_pairs: int = _f(16, "expert/failure pairs the steer is measured on, at most (a seeded choice)",
+                          resume_safe=True, ge=1)
     data_file: Optional[str] = _f(None, "reuse this RCTP JSONL instead of building it (must exist)")
 
 
@@ -223,6 +238,12 @@ class GrpoConfig:
         4, "dynamic sampling: rollout rounds per step at most, the scheduled prompts' round included", ge=1)
     weight_decay: float = _f(0.0, "AdamW weight decay (choice)", ge=0)
     max_grad_norm: float = _f(1.0, "gradient clipping norm; 0 = off (choice)", ge=0, note="0 = off")
+    eval_every: int = _f(
+        10, "steps between measurements of the sampled reward on a fixed sample of training prompts (also "
+        "before the first step and after the last; under each reward token when the policy knows them); 0 = off",
+        resume_safe=True, ge=0)
+    eval_rollouts: int = _f(64, "rollouts per measurement and reward token, over at most as many training entries",
+                            resume_safe=True, ge=1)
 
 
 @dataclass
@@ -254,8 +275,6 @@ class RunConfig:
     )
     keep_last: int = _f(3, "checkpoints kept per stage", resume_safe=True, ge=1)
     micro_batch_tokens: int = _f(8192, "tokens per packed micro-batch", resume_safe=True, ge=1)
-    grad_accum: int = _f(0, "micro-batches per optimizer step; 0 = as many as one batch needs", ge=0,
-                         note="0 = automatic")
     device: str = _f("auto", f"one of {DEVICES}", resume_safe=True, choices=DEVICES)
     engine: str = _f("auto", f"rollout engine, one of {ENGINES} (auto: vLLM when installed)", resume_safe=True,
                      choices=ENGINES)

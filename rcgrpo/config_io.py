@@ -32,7 +32,8 @@ SYNONYMS = {
 # Settings taken out of the schema -> why. The saved configs of earlier runs
 # still hold them: reading a file or table skips them, so that such a run can
 # be resumed and its models evaluated; a flag naming one is told why.
-RETIRED = {"run.log_every": "metric lines are written every step"}
+RETIRED = {"run.log_every": "metric lines are written every step",
+           "run.grad_accum": "a step accumulates the micro-batches its batch needs (run.micro_batch_tokens sizes them)"}
 # Every dotted key -> (type, help). The schema is fixed, so it is walked once.
 KEYS = all_keys()
 # Every section ("grpo", "model.lora"): a proper dotted prefix of some key.

@@ -29,7 +29,12 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
   rows (2 x hidden), are fp32 with fp32 gradients and AdamW state: 16 B/param.
   The KL reference is the same model with its adapters off: no extra copy.
 * RL stages ("grpo", "rc-grpo") with ``grpo.beta > 0`` and full fine-tuning
-  hold a frozen reference in the compute dtype (sharded under FSDP2).
+  hold a frozen reference that computes exactly as the policy did at step 0:
+  in one process under autocast, the decoder's Linear weights in the compute
+  dtype (what autocast casts the policy's fp32 weights to) and the root
+  (embeddings, LM head, norms; counted as the root) in fp32; under FSDP2 all
+  in the compute dtype, sharded (its mixed-precision policy casts every
+  parameter of the policy).
   Fine-tuning stages ("sft", "rctp") hold none.
 * Activations, per micro-batch of T tokens: T = max(run.micro_batch_tokens,
   grpo.max_total_tokens) for RL stages (a trajectory longer than a micro-batch
@@ -444,7 +449,11 @@ def plan_stage(
         grads[f"gradients (fp32{shard})"] = _ceil_div(4 * P, W)
         held[f"AdamW state (fp32{shard})"] = _ceil_div(8 * P, W)
         if stage in RL_STAGES and cfg.grpo.beta > 0:
-            held[f"KL reference ({dtype}{shard})"] = _ceil_div(c * P, W)
+            if W == 1 and c < 4:  # the decoder's Linear weights in the compute dtype, the root fp32
+                root = shape.root_params
+                held[f"KL reference ({dtype} Linear weights, fp32 embeddings and head)"] = c * (P - root) + 4 * root
+            else:
+                held[f"KL reference ({dtype}{shard})"] = _ceil_div(c * P, W)
         if W > 1:
             in_flight = shape.root_params + 2 * shape.layer_params
             grads[f"unsharded layers in flight ({dtype}: root + 2 layers)"] = c * in_flight

@@ -45,7 +45,18 @@ STANDARD_METRICS = {
     "reward_mean": "mean reward over all rollouts of the step",
     "reward_mean_high": f"mean reward of rollouts conditioned on {HIGH_REWARD}",
     "reward_mean_low": f"mean reward of rollouts conditioned on {LOW_REWARD}",
+    "sampled_reward_high": f"sampled reward on a fixed sample of training prompts under {HIGH_REWARD} "
+                           "(_lo / _hi: its 95% Wilson interval; _n: rollouts)",
+    "sampled_reward_low": f"the same under {LOW_REWARD}",
+    "sampled_reward_none": "the same without a reward token",
     "zero_var_frac": "fraction of groups whose G rewards are all equal (no gradient)",
+    "rollouts_played": "rollouts the step generated (dynamic sampling's extra draws included)",
+    "update_skipped": "1 when the step's gradient was exactly zero and no pass was made",
+    "steer": "RCTP: log p(expert's token | high) - log p(expert's token | low) at each pair's first divergent "
+             "token, mean over pairs (nats)",
+    "steer_logodds": "the same in log-odds",
+    "p_expert_high": f"RCTP: p(expert's token) at the first divergent token under {HIGH_REWARD}",
+    "p_expert_low": f"the same under {LOW_REWARD}",
     "adv_std": "std of the advantages over the batch",
     "entropy": "mean policy entropy on generated tokens",
     "kl": "mean KL to the reference policy on generated tokens",

@@ -17,8 +17,12 @@ Precision (every dtype of a training stage, stated once):
   compute, reduce_dtype=float32)` over fp32 shards. float32 (the CPU default)
   changes nothing. float16 is refused by the config (its gradients underflow
   without loss scaling).
-* **Frozen weights** (the KL reference; the LoRA base) are held in the compute
-  dtype: nothing updates them.
+* **Frozen weights** are held so that they compute like the policy: the LoRA
+  base in the compute dtype (policy and reference are the same model, with
+  and without adapters); the KL reference of a full fine-tune in one process
+  with its decoder's Linear weights in the compute dtype and its embeddings,
+  norms and head in fp32 (what autocast computes with; `_load_reference`),
+  all compute dtype under FSDP2. Nothing updates them.
 * **The losses' LM-head projection** gets hidden states in the compute dtype
   and, on CUDA, the head weight too (Triton dots in bf16); the kernels
   accumulate in float32 (kernels/), and on CPU compute in float32 throughout.
@@ -49,6 +53,9 @@ from rcgrpo.attention import (
 from rcgrpo.batch import PackedBatch
 
 MASTER_DTYPE = torch.float32
+# Every torch dropout layer (LoRA's lora_dropout is an nn.Dropout).
+DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                   torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
 
 class PackedLM:
@@ -115,6 +122,28 @@ def _load_hf(folder: Path, dtype: torch.dtype, device: torch.device, attn_implem
     return model.to(device)
 
 
+def _load_reference(folder: Path, compute: torch.dtype, device: torch.device, attn_implementation: str,
+                    sharded: bool) -> torch.nn.Module:
+    """The frozen KL reference, held so that it computes exactly what the
+    policy computed at step 0 (KL 0 before the first update, not rounding
+    noise). In one process the policy runs fp32 masters under autocast:
+    autocast casts each Linear's weight to the compute dtype, and leaves the
+    embeddings, norms, residual stream and (on CPU) the LM head in fp32. So
+    the reference holds the decoder's Linear weights in the compute dtype (the
+    same rounding of the same fp32 values) and everything else in fp32. Under
+    FSDP2 the mixed-precision policy casts every parameter of the policy to
+    the compute dtype, and the reference is all compute dtype to match."""
+    if sharded or compute == MASTER_DTYPE:
+        model = _load_hf(folder, compute, device, attn_implementation)
+    else:
+        model = _load_hf(folder, MASTER_DTYPE, device, attn_implementation)
+        head = model.get_output_embeddings()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module is not head:
+                module.to(compute)
+    return model.eval().requires_grad_(False)
+
+
 class TrainablePolicy:
     """The model a training stage updates, with everything that depends on
     how it is held. Build it with `TrainablePolicy.load`; the constructor
@@ -130,6 +159,12 @@ class TrainablePolicy:
         self.device = next(model.parameters()).device
         self.lm = self._packed_lm(model, trains=True)
         self._reference_lm = None if reference is None else self._packed_lm(reference, trains=False)
+        # True while the weights are exactly those the reference was built
+        # from, so that the KL term has no gradient (RL's zero-variance steps
+        # are then skipped). `load` sets it; an optimizer step
+        # (training.optimizer.clip_and_step) or a restored checkpoint clears
+        # it, and so must a caller that changes the weights any other way.
+        self.equals_reference = False
         self.trainable_parameters()  # fails now, not at the first step, if a master weight is not fp32
 
     # ------------------------------------------------------------ building
@@ -157,12 +192,15 @@ class TrainablePolicy:
             model.gradient_checkpointing_enable()
         ref = None
         if reference and not lora:
-            ref = _load_hf(folder, compute, device, model_cfg.attn_implementation).eval().requires_grad_(False)
+            ref = _load_reference(folder, compute, device, model_cfg.attn_implementation, distributed.active())
         if distributed.active():
             distributed.shard_model(model, compute_dtype=compute)
             if ref is not None:
                 distributed.shard_model(ref)
-        return cls(model, compute_dtype=compute, lora=lora, reference=ref, share_prefixes=model_cfg.share_prefixes)
+        policy = cls(model, compute_dtype=compute, lora=lora, reference=ref, share_prefixes=model_cfg.share_prefixes)
+        # The reference is the same folder's weights (LoRA: fresh adapters, B = 0, change nothing).
+        policy.equals_reference = ref is not None or lora
+        return policy
 
     def _plain_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The transformers model inside a PeftModel; any other model as is."""
@@ -191,9 +229,19 @@ class TrainablePolicy:
 
     # ------------------------------------------------------------ training
 
-    def train_mode(self) -> None:
-        """Dropout on (nn.Module.train) for the update."""
+    def train_mode(self, dropout: bool = True) -> None:
+        """nn.Module.train for an update (gradient checkpointing acts only in
+        train mode). `dropout=False` keeps every dropout module off, as in
+        eval mode: the RL stages' passes, where the policy being scored must
+        be the one that sampled (the engine has no dropout) and PPO's ratio
+        must be exactly 1 before the first step. Dropout a model applies
+        functionally from its config (attention_dropout; 0 in Llama, Qwen2
+        and SmolLM2) is not switched off."""
         self.model.train()
+        if not dropout:
+            for module in self.model.modules():
+                if isinstance(module, DROPOUT_MODULES):
+                    module.eval()
 
     def eval_mode(self) -> None:
         """Dropout off (nn.Module.eval) for scoring and rollouts."""
@@ -288,9 +336,12 @@ class TrainablePolicy:
         if self.sharded:
             from rcgrpo.training.sharded_state import restore_sharded
 
-            return restore_sharded(ckpt, self.model, optimizer, scheduler)
+            restored = restore_sharded(ckpt, self.model, optimizer, scheduler)
+            self.equals_reference = self.equals_reference and restored is None
+            return restored
         if ckpt is None:
             return None
+        self.equals_reference = False
         holds_adapter = (ckpt.model_dir / ADAPTER_CONFIG).is_file()
         if holds_adapter != self.lora:
             raise CheckpointError(

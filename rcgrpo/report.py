@@ -2,20 +2,25 @@
 
 Reads ``RUN_DIR/metrics.jsonl`` (written by ``rcgrpo.metrics``), draws
 
-* ``reward.png``          mean reward, overall and per reward token,
+* ``reward.png``          mean reward of each step's rollouts, overall and per reward token,
+* ``sampled_reward.png``  the learning curve: sampled reward on fixed training prompts (95% interval),
+* ``steer.png``, ``p_expert.png``  RCTP: the reward token's effect at the first divergent token,
 * ``zero_var_frac.png``   fraction of groups with zero reward variance,
-* ``entropy.png``, ``kl.png``,
+* ``entropy.png``, ``kl.png``, and the other figures of ``FIGURES``,
 * ``overview.png``        a grid of every numeric metric,
 
 each against the step, one line per stage that logged it; and writes
-``RUN_DIR/report.md`` with a per-stage summary, the plots, and the evaluation
-table when ``RUN_DIR/eval.json`` exists.
+``RUN_DIR/report.md`` with what the run learnt (``learning_summary``), a
+per-stage summary, the plots, and the evaluation table when
+``RUN_DIR/eval.json`` exists.
 
-``eval.json``: ``{"categories": {"base": acc, ...}, "overall": acc, "n": {...}}``
-with accuracies as fractions in [0, 1] (a file whose values exceed 1 is read
-as already in %), optionally ``"method"``; or a list of such objects, one
-table row each. The table follows the paper's layout: rows = method, columns
-base / miss_func / miss_param / long_context / overall, in %.
+``eval.json``: ``{"categories": {"base": acc, ...}, "overall": acc, "macro": acc,
+"n": {...}}`` with accuracies as fractions in [0, 1] (a file whose values
+exceed 1 is read as already in %), optionally ``"method"``; or a list of such
+objects, one table row each. "overall" is the accuracy over all entries (the
+paper's), "macro" the unweighted mean of the categories. The table follows
+the paper's layout: rows = method, columns base / miss_func / miss_param /
+long_context / overall (+ the mean of categories), in %.
 """
 
 from __future__ import annotations
@@ -34,13 +39,18 @@ from rcgrpo.errors import UserError
 from rcgrpo.metrics import METRICS_FILE, STANDARD_METRICS, MetricsFileError, read_records
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
-__all__ = ["write_report", "plot_metrics", "eval_table_markdown", "ReportError", "main"]
+__all__ = ["write_report", "plot_metrics", "eval_table_markdown", "learning_summary", "ReportError", "main"]
 
 EVAL_FILE = "eval.json"
 REPORT_FILE = "report.md"
 # One figure per headline quantity; the series that share an axis.
 FIGURES = {
     "reward": ("mean reward", ["reward_mean", "reward_mean_high", "reward_mean_low"]),
+    # The learning curve: one fixed sample of training prompts, 95% interval shaded.
+    "sampled_reward": ("sampled reward on fixed training prompts (95% interval)",
+                       ["sampled_reward_high", "sampled_reward_low", "sampled_reward_none"]),
+    "steer": ("RCTP: steer at the first divergent token (nats)", ["steer", "steer_logodds"]),
+    "p_expert": ("RCTP: p(expert's token) at the first divergent token", ["p_expert_high", "p_expert_low"]),
     "zero_var_frac": ("fraction of zero-variance groups", ["zero_var_frac"]),
     "entropy": ("policy entropy", ["entropy"]),
     "kl": ("KL to reference", ["kl"]),
@@ -53,6 +63,9 @@ FIGURES = {
     "dynamic_sampling": ("dynamic sampling per step", ["ds_prompts_drawn", "ds_groups_kept", "ds_groups_dropped"]),
 }
 SERIES_LABEL = {"reward_mean": "all rollouts", "reward_mean_high": HIGH_REWARD, "reward_mean_low": LOW_REWARD,
+                "sampled_reward_high": HIGH_REWARD, "sampled_reward_low": LOW_REWARD,
+                "sampled_reward_none": "no token", "steer": "log-prob difference", "steer_logodds": "log-odds",
+                "p_expert_high": HIGH_REWARD, "p_expert_low": LOW_REWARD,
                 "logp_diff_abs_mean": "mean |difference| per token",
                 "seq_log_ratio_mean": "mean log-ratio per sequence",
                 "seq_log_ratio_abs_max": "max |log-ratio| per sequence",
@@ -109,7 +122,10 @@ def plot_metrics(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
             parts = [series_label] if series_label else []
             if len(series) > 1 or not parts:
                 parts.append(stage or "run")
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=" / ".join(parts))
+            line, = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=" / ".join(parts))
+            band = [_series(records, f"{key}_{end}").get(stage) for end in ("lo", "hi")]
+            if all(band) and band[0][0] == band[1][0]:  # an interval logged with the value: shade it
+                ax.fill_between(band[0][0], band[0][1], band[1][1], color=line.get_color(), alpha=0.2)
         return bool(series)
 
     for name, (title, keys) in FIGURES.items():
@@ -121,7 +137,7 @@ def plot_metrics(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-            if name in ("reward", "zero_var_frac"):
+            if name in ("reward", "zero_var_frac", "sampled_reward", "p_expert"):
                 ax.set_ylim(-0.05, 1.05)  # both live in [0, 1]: keep runs comparable
             ax.legend(fontsize=8)
             fig.tight_layout()
@@ -158,13 +174,15 @@ def _pct(x) -> str:
 
 
 def eval_table_markdown(rows: Sequence[dict], default_method: str = "this run") -> str:
-    """The paper-style table (accuracy in %) for one or more eval results."""
-    head = "| method | " + " | ".join(CATEGORIES) + " | overall |"
-    lines = [head, "|" + "---|" * (len(CATEGORIES) + 2)]
+    """The paper-style table (accuracy in %) for one or more eval results:
+    per category, overall (over all entries, the paper's) and the unweighted
+    mean of the categories (a row without "macro" shows "-" there)."""
+    head = "| method | " + " | ".join(CATEGORIES) + " | overall | mean of categories |"
+    lines = [head, "|" + "---|" * (len(CATEGORIES) + 3)]
     ns: dict = {}
     for row in rows:
         cats = row.get("categories") or {}
-        values = [cats.get(c) for c in CATEGORIES] + [row.get("overall")]
+        values = [cats.get(c) for c in CATEGORIES] + [row.get("overall"), row.get("macro")]
         # Fractions are the documented form; a row already in % is left as is.
         scale = 1.0 if any(_numeric(v) and v > 1.0 for v in values) else 100.0
         cells = [_pct(v * scale if _numeric(v) else None) for v in values]
@@ -216,6 +234,39 @@ def _stage_summary(records: list[dict]) -> list[str]:
     return lines
 
 
+def learning_summary(records: list[dict]) -> list[str]:
+    """What the run learnt, one line per measure: each RL stage's sampled
+    reward on its fixed training prompts, first and last measurement per
+    reward token, with the change's 95% interval (Newcombe); each RCTP
+    stage's steer at the first divergent token, first and last. [] when no
+    stage measured either."""
+    from rcgrpo.evaluation.stats import Rate, difference
+
+    lines = []
+    stages: dict = {}
+    for r in records:
+        stages.setdefault(r.get("stage"), []).append(r)
+    for stage, recs in stages.items():
+        steer = [r for r in recs if _numeric(r.get("steer"))]
+        if len(steer) > 1:
+            a, b = steer[0], steer[-1]
+            lines.append(f"[{stage}] steer at the first divergent token: {a['steer']:+.3f} nats (step {a['step']}) "
+                         f"-> {b['steer']:+.3f} (step {b['step']}); p(expert's token) under high / low "
+                         f"{b['p_expert_high']:.2f} / {b['p_expert_low']:.2f}")
+        for name in ("high", "low", "none"):
+            key = f"sampled_reward_{name}"
+            probes = [r for r in recs if _numeric(r.get(key)) and _numeric(r.get(f"{key}_n"))]
+            if len(probes) < 2:
+                continue
+            first, last = (Rate(round(p[key] * p[f"{key}_n"]), int(p[f"{key}_n"])) for p in (probes[0], probes[-1]))
+            d, (lo, hi) = difference(last, first)
+            label = {"high": HIGH_REWARD, "low": LOW_REWARD, "none": "no reward token"}[name]
+            lines.append(f"[{stage}] sampled reward on its training prompts under {label}: {first} at step "
+                         f"{probes[0]['step']} -> {last} at step {probes[-1]['step']}; change {d:+.3f} "
+                         f"[{lo:+.3f}, {hi:+.3f}]")
+    return lines
+
+
 def write_report(run_dir: str | os.PathLike) -> Path:
     """Plots + ``report.md`` for a run; returns the markdown path.
 
@@ -242,6 +293,9 @@ def write_report(run_dir: str | os.PathLike) -> Path:
         md += ["## Evaluation (accuracy, %)", "", eval_table_markdown(_read_eval(eval_path), method), ""]
     else:
         md += ["## Evaluation", "", f"No {EVAL_FILE} in this run folder yet.", ""]
+    learnt = learning_summary(records)
+    if learnt:
+        md += ["## What it learnt", "", *[f"- {line}" for line in learnt], ""]
     md += ["## Training dynamics", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md += ["## Per-stage summary", ""] + _stage_summary(records)

@@ -44,7 +44,8 @@ def seed_everything(seed: int) -> None:
 
 def training_entries(cfg: Config, tokenizer) -> list:
     """Training split of the configured categories whose opening prompt fits
-    `data.max_prompt_tokens`, optionally a seeded subset."""
+    `data.max_prompt_tokens`: the named `data.entry_ids` (all of them), else
+    optionally a seeded subset of `data.train_subset`."""
     from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
     from rcgrpo.evaluation.rollouts import named_entries
     from rcgrpo.prompts import ChatTokens, initial_messages
@@ -64,7 +65,7 @@ def training_entries(cfg: Config, tokenizer) -> list:
                          f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if not fitting:
         raise SystemExit(f"no training entry has a prompt under data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    if cfg.data.train_subset is not None and cfg.data.train_subset < len(fitting):
+    if cfg.data.entry_ids is None and cfg.data.train_subset is not None and cfg.data.train_subset < len(fitting):
         fitting = sorted(random.Random(cfg.data.seed).sample(fitting, cfg.data.train_subset), key=lambda e: e.id)
     return fitting
 
@@ -101,6 +102,12 @@ def model_shape(name_or_path: str, resolved: Path | None = None):
         return None
 
 
+def rctp_data_needs_engine(cfg: Config) -> bool:
+    """Whether building the RCTP set plays rollouts (near misses and a given
+    data file need no engine)."""
+    return not cfg.rctp.data_file and cfg.rctp.failure_source != "near_miss"
+
+
 def check_memory_plan(cfg: Config, device: torch.device, shape) -> None:
     """Refuse, before any weights load, a training stage that cannot fit the
     device (rcgrpo.memory: weights, gradients, AdamW state, reference,
@@ -113,7 +120,7 @@ def check_memory_plan(cfg: Config, device: torch.device, shape) -> None:
         earlier = pipeline[:pipeline.index(stage)]
         # The run's one engine lives on once a stage started it.
         engine_alive = stage in RL_STAGES or (
-            "rctp-data" in earlier and "rctp-data" in cfg.stages and not cfg.rctp.data_file)
+            "rctp-data" in earlier and "rctp-data" in cfg.stages and rctp_data_needs_engine(cfg))
         check_stage(plan_stage(shape, cfg, stage, world_size=distributed.world_size(),
                                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                device_type=device.type, device_bytes=device_bytes, engine_alive=engine_alive))
@@ -154,17 +161,19 @@ class RunEngine:
 
 
 def run(cfg: Config) -> int:
+    from rcgrpo.data.divergence import divergences
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
     from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
-    from rcgrpo.metrics import log_line, quiet_library_progress
+    from rcgrpo.metrics import METRICS_FILE, log_line, quiet_library_progress, read_records
     from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
     from rcgrpo.policy import TrainablePolicy
-    from rcgrpo.report import write_report
+    from rcgrpo.report import learning_summary, write_report
     from rcgrpo.resume import check_resume
     from rcgrpo.rollout.agent_loop import RolloutConfig
     from rcgrpo.training.context import RunContext
     from rcgrpo.training.finetune import finetune
     from rcgrpo.training.grpo import train_rl
+    from rcgrpo.training.steer import probe_pairs
 
     seed_everything(cfg.data.seed)
     quiet_library_progress()
@@ -214,12 +223,14 @@ def run(cfg: Config) -> int:
         if stage == "rctp-data":
             if cfg.rctp.data_file:
                 records = load_records(cfg.rctp.data_file)
+            elif not rctp_data_needs_engine(cfg):
+                records = build_rctp(None, entries, tokenizer, rollout_cfg, cfg.rctp,
+                                     cfg.data.seed) if distributed.is_main() else []
             else:
                 # Every rank starts its engine (vLLM's process groups form
                 # collectively); rank 0 alone builds the set, the others wait.
                 with engine.phase(current) as live:
-                    records = build_rctp(live, entries, tokenizer, rollout_cfg, cfg.rctp.failure_ratio,
-                                         cfg.rctp.failure_attempts, cfg.rctp.fill_with_perturbed,
+                    records = build_rctp(live, entries, tokenizer, rollout_cfg, cfg.rctp,
                                          cfg.data.seed) if distributed.is_main() else []
             if distributed.is_main():
                 save_records(records, data_path)
@@ -227,13 +238,17 @@ def run(cfg: Config) -> int:
                 log_line(f"[rctp-data] {summary(records)} -> {data_path}")
             distributed.barrier()
         elif stage in FINETUNE_STAGES:
+            pairs = []
             if stage == "rctp":
                 source = data_path if data_path.exists() or not cfg.rctp.data_file else cfg.rctp.data_file
-                trajectories = [r.trajectory() for r in load_records(source)]
+                records = load_records(source)
+                trajectories = [r.trajectory() for r in records]
+                pairs = probe_pairs(divergences(records), cfg.rctp.steer_pairs, cfg.data.seed)
             else:
                 trajectories = [r.trajectory() for r in expert_records(entries, tokenizer, rollout_cfg, tagged=False)]
             policy = TrainablePolicy.load(current, cfg.model, device, reference=False, token_ids=token_ids)
-            finetune(ctx, stage, policy, trajectories, cfg.rctp if stage == "rctp" else cfg.sft)
+            finetune(ctx, stage, policy, trajectories, cfg.rctp if stage == "rctp" else cfg.sft,
+                     steer_pairs=pairs, steer_every=cfg.rctp.steer_every)
             current = ctx.export_model(stage, policy)
             ctx.mark_done(stage, {"trajectories": len(trajectories)})
             del policy
@@ -258,8 +273,13 @@ def run(cfg: Config) -> int:
                 _, md_path = write_eval(result, ctx.run_dir, cfg.run.pipeline)
                 print(md_path.read_text())
     if distributed.is_main():
-        report = write_report(ctx.run_dir)
-        print(f"report: {report}\nplots: {', '.join(str(p) for p in sorted(ctx.run_dir.glob('*.png')))}")
+        if (ctx.run_dir / METRICS_FILE).exists():
+            report = write_report(ctx.run_dir)
+            learnt = learning_summary(read_records(ctx.run_dir / METRICS_FILE)[0])
+            print("\n".join(["what it learnt:", *learnt, ""]) if learnt else "", end="")
+            print(f"report: {report}\nplots: {', '.join(str(p) for p in sorted(ctx.run_dir.glob('*.png')))}")
+        else:  # e.g. --stages rctp-data: no stage that logs metrics ran
+            log_line(f"no training stage ran: no report ({ctx.run_dir})")
     return 0
 
 

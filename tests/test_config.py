@@ -67,7 +67,7 @@ def test_layers_later_wins(tmp_path):
     f.write_text('preset = "cpu-small"\n[grpo]\nlr = 3e-6\nsteps = 7\n[model.lora]\nr = 4\n')
     cfg = parse_args(["--config", str(f), "--grpo.steps", "9", "--fused", "--name", "x"])
     assert cfg.preset == "cpu-small"
-    assert cfg.data.train_subset == C.PRESETS["cpu-small"]["data.train_subset"]  # from the preset
+    assert cfg.data.entry_ids == C.PRESETS["cpu-small"]["data.entry_ids"]  # from the preset
     assert cfg.grpo.lr == 3e-6  # file over preset/defaults
     assert cfg.grpo.steps == 9  # CLI over file
     assert cfg.model.lora.r == 4

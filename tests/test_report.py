@@ -50,11 +50,36 @@ def test_report_writes_valid_pngs_and_markdown(tmp_path):
             # Not a blank canvas: lines were drawn.
             assert len(im.convert("L").getcolors(maxcolors=1 << 16)) > 10
     md = (tmp_path / "report.md").read_text()
-    assert "| method | base | miss_func | miss_param | long_context | overall |" in md
-    assert "| RCTP + RC-GRPO | 50.00 | 25.00 | 0.00 | 4.35 | 20.00 |" in md
+    assert "| method | base | miss_func | miss_param | long_context | overall | mean of categories |" in md
+    assert "| RCTP + RC-GRPO | 50.00 | 25.00 | 0.00 | 4.35 | 20.00 | - |" in md
     assert "![reward](reward.png)" in md and "### rc-grpo: 40 records, steps 1-40" in md
     assert "![logp_agreement](logp_agreement.png)" in md
     assert not (tmp_path / "dynamic_sampling.png").exists()  # no dynamic sampling in this run
+
+
+def test_learning_curves_and_the_steer_are_plotted(tmp_path):
+    """The RL stage's sampled reward (with its 95% interval shaded) and
+    RCTP's steer at the first divergent token each get a figure."""
+    from PIL import Image
+
+    with MetricsLogger(tmp_path, stage="rctp", tensorboard=False) as log:
+        for s in range(4):
+            log.log(s, steer=0.5 * s, steer_logodds=0.8 * s, p_expert_high=0.5 + 0.1 * s, p_expert_low=0.5 - 0.1 * s)
+    with MetricsLogger(tmp_path, stage="rc-grpo", tensorboard=False) as log:
+        for s in (0, 5, 10):
+            for name, base in (("high", 0.4), ("low", 0.2)):
+                mean = base + 0.02 * s
+                log.log(s, **{f"sampled_reward_{name}": mean, f"sampled_reward_{name}_lo": mean - 0.1,
+                              f"sampled_reward_{name}_hi": mean + 0.1, f"sampled_reward_{name}_n": 64})
+    md = write_report(tmp_path).read_text()
+    assert "## What it learnt" in md
+    assert "[rctp] steer at the first divergent token: +0.000 nats (step 0) -> +1.500 (step 3)" in md
+    # 0.4 of 64 (26 rollouts, rounded) at step 0, 0.6 (38) at step 10: the change and its 95% interval
+    assert "[rc-grpo] sampled reward on its training prompts under <|high_reward|>: 0.406 [" in md
+    assert "at step 10; change +0.188 [" in md
+    for name in ("sampled_reward", "steer", "p_expert"):
+        with Image.open(tmp_path / f"{name}.png") as im:
+            assert len(im.convert("L").getcolors(maxcolors=1 << 16)) > 10
 
 
 def test_report_without_eval_or_rl_metrics(tmp_path):
@@ -71,8 +96,8 @@ def test_eval_table_accepts_percent_and_several_rows():
         {"method": "base model", "categories": {"base": 11.25}, "overall": 11.25},
         {"method": "RCTP + RC-GRPO", "categories": {"base": 0.85, "miss_func": 0.8}, "overall": 0.85},
     ])
-    assert "| base model | 11.25 | - | - | - | 11.25 |" in table
-    assert "| RCTP + RC-GRPO | 85.00 | 80.00 | - | - | 85.00 |" in table
+    assert "| base model | 11.25 | - | - | - | 11.25 | - |" in table
+    assert "| RCTP + RC-GRPO | 85.00 | 80.00 | - | - | 85.00 | - |" in table
 
 
 @pytest.mark.parametrize(

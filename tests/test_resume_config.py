@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rcgrpo import train as train_cli
-from rcgrpo.config import ConfigError, parse_args
+from rcgrpo.config import PRESETS, ConfigError, parse_args
 from rcgrpo.errors import DEBUG_ENV
 from rcgrpo.resume import CHANGES_FILE, ResumeError, check_resume
 
@@ -44,7 +44,7 @@ def test_the_same_settings_resume_without_a_record(tmp_path):
     (["--model.lora.enabled", "--model.lora.r", "4"], "model.lora.r 16 -> 4"),
     (["--pipeline", "sft+grpo"], "run.pipeline 'rctp+rc-grpo' -> 'sft+grpo'"),
     (["--grpo.loss_type", "dapo"], "grpo.loss_type 'grpo' -> 'dapo'"),
-    (["--rctp.epochs", "3"], "rctp.epochs 1 -> 3"),
+    (["--rctp.epochs", "3"], f"rctp.epochs {PRESETS['cpu-small']['rctp.epochs']} -> 3"),
     (["--data.categories", "base,miss_func"], "data.categories ['base'] -> ['base', 'miss_func']"),
 ])
 def test_changes_to_what_is_trained_are_refused_and_listed(tmp_path, flags, key):
@@ -74,7 +74,7 @@ def test_resume_safe_changes_are_allowed_and_recorded(tmp_path):
     assert got == {"run.checkpoint_every", "eval.subset", "run.tensorboard", "run.device", "run.stages"}
     assert {r["key"]: r["how"] for r in changes(run_dir)} == dict.fromkeys(got, "resume-safe")
     row = next(r for r in changes(run_dir) if r["key"] == "run.checkpoint_every")
-    assert (row["saved"], row["now"]) == (1, 7)
+    assert (row["saved"], row["now"]) == (PRESETS["cpu-small"]["run.checkpoint_every"], 7)
 
 
 def test_accepted_changes_go_through_and_are_recorded_as_accepted(tmp_path):
@@ -82,7 +82,7 @@ def test_accepted_changes_go_through_and_are_recorded_as_accepted(tmp_path):
     cfg = resumed(tmp_path, "--grpo.lr", "2e-5", "--grpo.steps", "9", "--run.accept_changes", "grpo.lr,grpo.steps")
     assert {d.key for d in check_resume(cfg)} == {"grpo.lr", "grpo.steps"}
     assert {(r["key"], r["saved"], r["now"], r["how"]) for r in changes(run_dir)} == {
-        ("grpo.lr", 1e-5, 2e-5, "accepted"), ("grpo.steps", 2, 9, "accepted")}
+        ("grpo.lr", 1e-5, 2e-5, "accepted"), ("grpo.steps", PRESETS["cpu-small"]["grpo.steps"], 9, "accepted")}
     # Accepting one change does not let another through.
     with pytest.raises(ResumeError, match="data.seed 0 -> 1"):
         check_resume(resumed(tmp_path, "--grpo.lr", "2e-5", "--data.seed", "1", "--run.accept_changes", "grpo.lr"))

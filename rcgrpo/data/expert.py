@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from rcgrpo.envs.calls import Call
 from rcgrpo.envs.reward import ground_truth
@@ -96,22 +96,53 @@ def _wrong(value):
     return type(value)()  # an empty list / dict / tuple
 
 
+PERTURBATIONS = ("dropped", "wrong_value")
+
+
+def _perturbed(calls: list[list[Call]], t: int, i: int, kind: str) -> list[list[str]]:
+    """`calls` (per turn) with call i of turn t dropped or given a wrong value."""
+    out = [list(turn) for turn in calls]
+    if kind == "dropped":
+        del out[t][i]
+    elif kind == "wrong_value":
+        call = out[t][i]
+        key = sorted(call.kwargs)[0]
+        out[t][i] = Call(call.name, {**call.kwargs, key: _wrong(call.kwargs[key])})
+    else:
+        raise ValueError(f"unknown perturbation {kind!r}")
+    return [[c.canonical() for c in turn] for turn in out]
+
+
+def _spots(calls: list[list[Call]], kind: str) -> list[tuple[int, int]]:
+    spots = [(t, i) for t, turn in enumerate(calls) for i in range(len(turn))]
+    return [(t, i) for t, i in spots if calls[t][i].kwargs] if kind == "wrong_value" else spots
+
+
 def perturbed_turns(entry, kind: str, seed: int) -> list[list[str]] | None:
     """Ground truth with one mistake: a dropped call, or one argument value
     changed. None when the entry has no call to perturb."""
     calls = [list(turn) for turn in ground_truth(entry).calls]
-    spots = [(t, i) for t, turn in enumerate(calls) for i in range(len(turn))]
-    if kind == "wrong_value":
-        spots = [(t, i) for t, i in spots if calls[t][i].kwargs]
+    spots = _spots(calls, kind)
+    if kind not in PERTURBATIONS:
+        raise ValueError(f"unknown perturbation {kind!r}")
     if not spots:
         return None
     t, i = random.Random(f"{seed}:{entry.id}:{kind}").choice(spots)
-    if kind == "dropped":
-        del calls[t][i]
-    elif kind == "wrong_value":
-        call = calls[t][i]
-        key = sorted(call.kwargs)[0]
-        calls[t][i] = Call(call.name, {**call.kwargs, key: _wrong(call.kwargs[key])})
-    else:
-        raise ValueError(f"unknown perturbation {kind!r}")
-    return [[c.canonical() for c in turn] for turn in calls]
+    return _perturbed(calls, t, i, kind)
+
+
+def near_misses(entry, seed: int) -> Iterator[list[list[str]]]:
+    """Every one-mistake version of the ground truth (each call dropped, each
+    call's first argument changed), in a seeded order that alternates the two
+    kinds: the candidates a near-miss failure is drawn from."""
+    calls = [list(turn) for turn in ground_truth(entry).calls]
+    orders = []
+    for kind in PERTURBATIONS:
+        spots = _spots(calls, kind)
+        random.Random(f"{seed}:{entry.id}:{kind}").shuffle(spots)
+        orders.append([(kind, t, i) for t, i in spots])
+    for k in range(max(map(len, orders), default=0)):
+        for order in orders:
+            if k < len(order):
+                kind, t, i = order[k]
+                yield _perturbed(calls, t, i, kind)

@@ -3,14 +3,17 @@ reward function and tagged with the matching reward token (the paper, arXiv
 2602.03025; the label rule: rcgrpo.reward_tokens.label_for_reward).
 
 * expert: the ground truth of a training entry, played through the agent loop;
-* failure: rollouts of the starting model on the training entries whose
-  reward is 0;
-* perturbed: when rollouts give too few failures, expert trajectories with
-  one dropped call or one wrong argument value, executed and labelled.
+* failure (kind "failure"): reward-0 rollouts of the starting model, all of
+  them (`rctp.failure_source rollouts`, the paper's source) or only those
+  whose first divergence from the expert comes late (`late_divergence`);
+* near miss (kind "perturbed"): the expert trajectory with one call dropped
+  or one argument changed, executed (`near_miss`; also what tops up a
+  rollout source short of failures).
 
-Labels are never assumed: a perturbed trajectory that still earns reward 1
-is tagged high. Each trajectory's prompt is rendered with the tag of its
-label (`\\n\\n[Reward Goal: <|..._reward|>]` after the first user message); the
+Labels are never assumed: every failure is a trajectory the environment gave
+reward 0, and a perturbed trajectory that still earns reward 1 is not kept.
+Each trajectory's prompt is rendered with the tag of its label
+(`\\n\\n[Reward Goal: <|..._reward|>]` after the first user message); the
 rest of its ids are exactly those the agent loop produced. Records go to a
 JSONL file so the fine-tuning stage can re-run without regenerating.
 """
@@ -23,7 +26,8 @@ from typing import Sequence
 
 from rcgrpo.atomic import atomic_output
 from rcgrpo.batch import Trajectory
-from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, script_from_turns
+from rcgrpo.data.divergence import divergences, first_divergence
+from rcgrpo.data.expert import expert_turns, near_misses, play_script, script_from_turns
 from rcgrpo.envs.bfcl import Episode
 from rcgrpo.errors import UserError
 from rcgrpo.metrics import log_line, progress
@@ -83,50 +87,78 @@ def expert_records(entries: Sequence, tokenizer, config: RolloutConfig, tagged: 
     return out
 
 
-def failure_records(engine, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int,
-                    needed: int) -> list[Record]:
+def failure_records(engine, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int, needed: int,
+                    experts: Sequence[Record] = (), min_divergence: int | None = None) -> list[Record]:
     """Reward-0 rollouts of the starting model (unconditioned), at most one per
-    entry first, so failures spread over entries."""
+    entry first, so failures spread over entries. With `min_divergence`, only
+    rollouts whose first divergence from their entry's expert record comes
+    at least that many generated tokens into the reply."""
     if needed <= 0 or attempts <= 0:
         return []
     rollouts = run_episodes(engine, tokenizer, list(entries), group_size=attempts, config=config, reward_tokens=None)
     by_id = {e.id: e for e in entries}
-    failed = [r for r in rollouts if r.reward < 1.0]
+    expert_of = {r.entry_id: r for r in experts}
+    candidates = []
+    for r in rollouts:
+        if r.reward >= 1.0:
+            continue
+        record = _labelled(r, by_id[r.entry_id], tokenizer, "failure", config.doc_style, True)
+        if min_divergence is not None:
+            d = first_divergence(expert_of[r.entry_id], record) if r.entry_id in expert_of else None
+            if d is None or d.reply_offset < min_divergence:
+                continue
+        candidates.append(record)
     first, rest, seen = [], [], set()
-    for r in failed:
+    for r in candidates:
         (rest if r.entry_id in seen else first).append(r)
         seen.add(r.entry_id)
-    chosen = (first + rest)[:needed]
-    return [_labelled(r, by_id[r.entry_id], tokenizer, "failure", config.doc_style, True) for r in chosen]
+    return (first + rest)[:needed]
 
 
-def perturbed_records(entries: Sequence, tokenizer, config: RolloutConfig, needed: int, seed: int) -> list[Record]:
+def near_miss_records(entries: Sequence, tokenizer, config: RolloutConfig, needed: int, seed: int) -> list[Record]:
+    """Expert trajectories with one mistake (a call dropped, or an argument
+    changed; `expert.near_misses`), executed and labelled by the reward: a
+    version that still earns reward 1 is not a failure and is not kept. One
+    per entry per round, in `entries`' order, until `needed` are found or
+    every entry's versions are used up."""
     config = demonstration_config(config)
-    out = []
-    kinds = ("dropped", "wrong_value")
-    for k in range(2 * len(entries)):
-        if len(out) >= needed:
-            break
-        entry, kind = entries[k % len(entries)], kinds[(k // len(entries)) % 2]
-        turns = perturbed_turns(entry, kind, seed)
-        if turns is None:
-            continue
-        rollout = play_script(entry, tokenizer, script_from_turns(turns), config)
-        out.append(_labelled(rollout, entry, tokenizer, "perturbed", config.doc_style, True))
+    candidates = {e.id: near_misses(e, seed) for e in entries}
+    out: list[Record] = []
+    while len(out) < needed and candidates:
+        for entry in entries:
+            if len(out) >= needed:
+                break
+            for turns in candidates.get(entry.id, ()):
+                rollout = play_script(entry, tokenizer, script_from_turns(turns), config)
+                if rollout.reward < 1.0:
+                    out.append(_labelled(rollout, entry, tokenizer, "perturbed", config.doc_style, True))
+                    break
+            else:
+                candidates.pop(entry.id, None)  # no failing version left
     return out
 
 
-def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, failure_ratio: float,
-               attempts: int, fill_with_perturbed: bool, seed: int) -> list[Record]:
-    """Expert + failure records, 1:1 by default (failure_ratio failures per expert)."""
+def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, rctp, seed: int) -> list[Record]:
+    """Expert + failure records, `rctp.failure_ratio` failures per expert (the
+    paper: 1:1), the failures from `rctp.failure_source` (rcgrpo.data.sources).
+    `rctp` is the config's RctpConfig. With `rctp.fill_with_perturbed`,
+    rollout sources short of failures are topped up with near misses, entries
+    without a failure first."""
     experts = expert_records(entries, tokenizer, config, tagged=True)
-    needed = int(round(failure_ratio * len(experts)))
-    failures = failure_records(engine, entries, tokenizer, config, attempts, needed)
-    log_line(f"[rctp-data] {len(experts)} expert, {len(failures)} failures from rollouts (needed {needed})")
-    if len(failures) < needed and fill_with_perturbed:
-        perturbed = perturbed_records(entries, tokenizer, config, needed - len(failures), seed)
-        log_line(f"[rctp-data] filled with {len(perturbed)} perturbed expert trajectories")
-        failures += perturbed
+    needed = int(round(rctp.failure_ratio * len(experts)))
+    source = rctp.failure_source
+    if source == "near_miss":
+        failures = near_miss_records(entries, tokenizer, config, needed, seed)
+    else:
+        failures = failure_records(engine, entries, tokenizer, config, rctp.failure_attempts, needed, experts,
+                                   rctp.min_divergence_tokens if source == "late_divergence" else None)
+    log_line(f"[rctp-data] {len(experts)} expert, {len(failures)} failures from {source} (needed {needed})")
+    if len(failures) < needed and rctp.fill_with_perturbed and source != "near_miss":
+        have = {r.entry_id for r in failures}
+        order = sorted(entries, key=lambda e: e.id in have)
+        filled = near_miss_records(order, tokenizer, config, needed - len(failures), seed)
+        log_line(f"[rctp-data] filled with {len(filled)} near misses (perturbed expert trajectories)")
+        failures += filled
     return experts + failures
 
 
@@ -170,8 +202,13 @@ def load_records(path: Path) -> list[Record]:
 
 
 def summary(records: Sequence[Record]) -> dict:
+    """Counts per kind and tag, and where the failures part from their
+    entry's expert (generated tokens into the reply: min, median, max)."""
     out: dict = {"total": len(records)}
     for r in records:
         key = f"{r.kind}_{'high' if r.reward_token == HIGH_REWARD else 'low'}"
         out[key] = out.get(key, 0) + 1
+    offsets = sorted(d.reply_offset for d in divergences(records))
+    if offsets:
+        out["first_divergence_tokens"] = [offsets[0], offsets[len(offsets) // 2], offsets[-1]]
     return out

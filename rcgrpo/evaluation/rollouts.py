@@ -10,6 +10,7 @@ from typing import Sequence
 from rcgrpo.atomic import atomic_write_text
 from rcgrpo.envs.bfcl import load_entries, split_train_test
 from rcgrpo.envs.data import CATEGORIES
+from rcgrpo.evaluation.replay_scoring import accuracy_table
 from rcgrpo.reward_tokens import token_named
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 
@@ -43,8 +44,9 @@ def named_entries(pool: Sequence, ids: Sequence[str], label: str, where: str) ->
 def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", greedy: bool = True,
              max_new_tokens: int = 512, max_total_tokens: int = 8192, temperature: float = 1.0,
              seed: int = 0, doc_style: str = "compact") -> dict:
-    """{"categories": {cat: accuracy}, "overall": mean over categories,
-    "n": {cat: entries}, "reward": {cat: mean reward}, "rows": per entry}."""
+    """{"categories": {cat: accuracy}, "overall": accuracy over all entries
+    (the paper's), "macro": mean over categories, "n": {cat: entries},
+    "reward": {cat: mean reward}, "rows": per entry}."""
     config = RolloutConfig(max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
                            temperature=0.0 if greedy else temperature, seed=seed, doc_style=doc_style)
     rollouts = run_episodes(engine, tokenizer, list(entries), group_size=1, config=config,
@@ -56,10 +58,11 @@ def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", g
         rows.append({"id": entry.id, "valid": r.valid, "reward": r.reward, "r_state": r.r_state,
                      "r_action": r.r_action, "turns": r.turns, "steps": r.steps, "end_reason": r.end_reason})
     cats = [c for c in CATEGORIES if c in by_cat]
-    acc = {c: sum(r.valid for r in by_cat[c]) / len(by_cat[c]) for c in cats}
+    table = accuracy_table([(e.category, r.valid) for e, r in zip(entries, rollouts)])
     return {
-        "categories": acc,
-        "overall": sum(acc.values()) / len(acc) if acc else 0.0,
+        "categories": {c: table[c] for c in cats},
+        "overall": table["overall"],
+        "macro": table["macro"],
         "n": {c: len(by_cat[c]) for c in cats},
         "reward": {c: sum(r.reward for r in by_cat[c]) / len(by_cat[c]) for c in cats},
         "conditioning": conditioning,
@@ -70,11 +73,18 @@ def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", g
 
 
 def table_markdown(result: dict, method: str) -> str:
+    """The paper's row: accuracy per category and overall (over all entries);
+    with several categories also their unweighted mean."""
     cats = list(result["categories"])
-    head = "| method | " + " | ".join(cats) + " | overall |"
-    sep = "|---" * (len(cats) + 2) + "|"
-    cells = " | ".join(f"{100 * result['categories'][c]:.2f}" for c in cats)
-    return "\n".join([head, sep, f"| {method} | {cells} | {100 * result['overall']:.2f} |"])
+    values = [result["categories"][c] for c in cats] + [result["overall"]]
+    names = cats + ["overall"]
+    if len(cats) > 1:
+        values.append(result["macro"])
+        names.append("mean of categories")
+    head = "| method | " + " | ".join(names) + " |"
+    sep = "|---" * (len(names) + 1) + "|"
+    cells = " | ".join(f"{100 * v:.2f}" for v in values)
+    return "\n".join([head, sep, f"| {method} | {cells} |"])
 
 
 def write_eval(result: dict, out_dir: Path, method: str) -> tuple[Path, Path]:

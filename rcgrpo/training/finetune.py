@@ -9,13 +9,17 @@ from typing import Sequence
 
 from rcgrpo import distributed
 from rcgrpo.batch import Trajectory, pack
+from rcgrpo.data.divergence import Divergence
 from rcgrpo.metrics import progress
+from rcgrpo.models import reward_token_ids
 from rcgrpo.policy import TrainablePolicy
 from rcgrpo.prefix_sharing import micro_batches
+from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
+from rcgrpo.training.steer import steer
 
 
 def epoch_order(n: int, epochs: int, seed: int) -> list[int]:
@@ -29,18 +33,35 @@ def epoch_order(n: int, epochs: int, seed: int) -> list[int]:
 
 
 def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories: Sequence[Trajectory],
-             section) -> dict:
+             section, steer_pairs: Sequence[Divergence] = (), steer_every: int = 0) -> dict:
     """Train `policy` in place. `section` is cfg.rctp or cfg.sft (lr, batch_size,
-    epochs, weight_decay, warmup_ratio, max_grad_norm). Resumable."""
+    epochs, weight_decay, warmup_ratio, max_grad_norm). Resumable.
+
+    With `steer_pairs` and `steer_every` (RCTP), the steer at each pair's
+    first divergent token (rcgrpo.training.steer) is measured before the
+    first step (a step-0 record), after every `steer_every`-th step and after
+    the last, and logged with that step's record: it says whether the reward
+    token is being learnt as a condition or only the content."""
     if not trajectories:
         raise ValueError(f"[{stage}] no trajectories to train on")
     order = epoch_order(len(trajectories), section.epochs, ctx.cfg.data.seed)
     total_steps = -(-len(order) // section.batch_size)
     optimizer, scheduler = make_optimizer(policy, section.lr, section.weight_decay, total_steps, section.warmup_ratio)
     start = ctx.resume(stage, policy, optimizer, scheduler)
+    probe_every = steer_every if steer_pairs else 0
+    tags = reward_token_ids(ctx.tokenizer)
+
+    def measure_steer() -> dict[str, float]:
+        policy.eval_mode()
+        out = steer(policy.lm, steer_pairs, tags[HIGH_REWARD], tags[LOW_REWARD], ctx.cfg.run.micro_batch_tokens)
+        policy.train_mode()
+        return out
+
     policy.train_mode()
     last = {}
     with ctx.metrics(stage, resume_step=start if start else None) as log:
+        if probe_every and start == 0:
+            log.log(0, **measure_steer())
         for step in progress(range(start, total_steps), total=total_steps, initial=start, desc=stage):
             t0 = time.perf_counter()
             chunk = [trajectories[i] for i in order[step * section.batch_size:(step + 1) * section.batch_size]]
@@ -64,9 +85,11 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
             stats_sum, tokens = total["nll"], round(total["tokens"])
             grad_norm = clip_and_step(policy, optimizer, scheduler, section.max_grad_norm)
             elapsed = time.perf_counter() - t0
+            probe = (measure_steer() if probe_every and ((step + 1) % probe_every == 0 or step + 1 == total_steps)
+                     else {})
             last = log.log(step + 1, loss=stats_sum / max(tokens, 1), grad_norm=grad_norm,
                            lr=scheduler.get_last_lr()[0], tokens_per_s=round(counts["tokens"]) / elapsed,
-                           update_s=elapsed, loss_tokens=tokens)
+                           update_s=elapsed, loss_tokens=tokens, **probe)
             every = ctx.cfg.run.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < total_steps:
                 ctx.save(stage, step + 1, policy, optimizer, scheduler)

@@ -29,10 +29,11 @@ from rcgrpo.batch import (
     loss_normaliser,
     pack,
 )
-from rcgrpo.metrics import progress
+from rcgrpo.evaluation.sampled_reward import reward_metrics, sampled_reward
+from rcgrpo.metrics import log_line, progress
 from rcgrpo.policy import TrainablePolicy
 from rcgrpo.prefix_sharing import forwarded_tokens, micro_batch_plan, micro_batches
-from rcgrpo.reward_tokens import rl_rollout_conditioning, short_name
+from rcgrpo.reward_tokens import rl_rollout_conditioning, short_name, stage_saw_reward_tokens
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import awake
 from rcgrpo.training.context import RunContext
@@ -312,7 +313,9 @@ def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[T
               settings: RLLossSettings, advantage_scale: str, *, tis_cap: float | None = None,
               informative_only: bool = False) -> dict[str, float]:
     """The on-policy update's gradient (one pass, no optimizer step) with the
-    engine/trainer agreement of its tokens."""
+    engine/trainer agreement of its tokens. Leaves the policy in train mode,
+    dropout off (as `rl_step`)."""
+    policy.train_mode(dropout=False)
     batch, advantages = prepare_batch(trajectories, ctx.device, advantage_scale, informative_only)
     agreement = Agreement()
     out = accumulate_gradients(ctx, policy, batch, settings, tis_cap, agreement)
@@ -342,14 +345,31 @@ def rl_step(ctx: RunContext, policy: TrainablePolicy, optimizer, scheduler, traj
     """All optimizer steps of one rollout batch: `updates_per_batch` passes,
     each of `mini_batches` steps. Off-policy (more than one step) the old
     log-probs are the trainer's, computed once before the first update, so
-    the ratio and its clip act from the second step on. A batch with no loss
-    token on any rank (e.g. every group uninformative under
-    `informative_only`) makes no forward or backward pass and no step."""
+    the ratio and its clip act from the second step on.
+
+    Every pass, the old log-probs' included, runs in train mode with dropout
+    off: the policy scored is the one the engine sampled from, and the ratio
+    is exactly 1 before the first step (LoRA's dropout would move it).
+
+    A step whose gradient is exactly zero is skipped: no forward or backward
+    pass and no optimizer step (`update_skipped` 1 in its metrics). That is a
+    batch with no loss token on any rank (e.g. every group uninformative under
+    `informative_only`), or one whose every group has zero advantage while
+    the KL term has no gradient either: beta 0, or a policy still equal to its
+    reference (`policy.equals_reference`: loaded with it, no optimizer step yet).
+    After the first update a zero-advantage batch with beta > 0 still trains
+    on its KL term (the paper's loss)."""
+    policy.train_mode(dropout=False)
     batch, advantages = prepare_batch(trajectories, ctx.device, update.advantage_scale, update.informative_only)
-    out: dict[str, float] = {**_advantage_stats(advantages), "updates": 0}
+    out: dict[str, float] = {**_advantage_stats(advantages), "updates": 0, "update_skipped": 1}
     local_tokens = 0 if batch is None else batch.num_loss_tokens
     if distributed.all_reduce_max(local_tokens) == 0:
         return out
+    any_advantage = distributed.all_reduce_max(int(bool(advantages.ne(0).any())))
+    kl_has_gradient = settings.beta > 0 and not policy.equals_reference
+    if not any_advantage and not kl_has_gradient:
+        return out
+    out["update_skipped"] = 0
     agreement = Agreement()
     tis = update.tis_cap is not None
     if not update.on_policy:
@@ -447,6 +467,40 @@ def dynamic_sampling(play, first_prompts: Sequence[int], first_rollouts, num_ent
     return rollouts, counts
 
 
+class RewardProbe:
+    """The RL stage's learning curve: sampled reward on a fixed sample of its
+    training prompts (rcgrpo.evaluation.sampled_reward), measured with the
+    policy's current weights before the first step, every `grpo.eval_every`
+    steps and after the last. Under each reward token for a policy trained
+    with them (the gap high - low is the token's effect), else without one.
+    The entries are a seeded choice of at most `grpo.eval_rollouts`
+    training entries; the seeds are the same at every measurement."""
+
+    def __init__(self, ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
+                 finetune_stage: str):
+        g = ctx.cfg.grpo
+        self.ctx, self.stage, self.policy, self.engine = ctx, stage, policy, engine
+        n = min(len(entries), g.eval_rollouts)
+        self.entries = [entries[i] for i in sorted(random.Random(ctx.cfg.data.seed).sample(range(len(entries)), n))]
+        self.conditionings = ("high", "low") if stage_saw_reward_tokens(stage, finetune_stage) else ("none",)
+        self.config = RolloutConfig(max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
+                                    temperature=g.temperature, top_p=g.top_p,
+                                    # apart from every step's rollout seeds (seed * 100_003 + step)
+                                    seed=ctx.cfg.data.seed * 100_003 + 50_021,
+                                    doc_style=ctx.cfg.data.doc_style, progress=False)
+
+    def measure(self, step: int) -> dict[str, float]:
+        """Every rank plays the same sample (its engine takes the weights: a
+        collective under FSDP); rank 0 logs the result."""
+        with awake(self.engine, self.policy.rollout_weights()) as live:
+            rates = {c: sampled_reward(live, self.ctx.tokenizer, self.entries, c, self.ctx.cfg.grpo.eval_rollouts,
+                                       self.config) for c in self.conditionings}
+        if distributed.is_main():
+            log_line(f"[{self.stage}] step {step}: sampled reward on {len(self.entries)} training prompts: "
+                     + "; ".join(f"{c} {r}" for c, r in rates.items()))
+        return reward_metrics(rates)
+
+
 def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
              finetune_stage: str) -> dict:
     """Run the GRPO / RC-GRPO stage in place on `policy`; resumable.
@@ -463,7 +517,11 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
     The policy version is the number of optimizer steps the stage has taken
     (the scheduler's count, so a resumed run continues it); the engine's
     weights carry the version they were pushed at, and every sampled token
-    records it."""
+    records it.
+
+    With `grpo.eval_every`, the stage's learning curve (`RewardProbe`) is
+    measured before the first step (a step-0 record), after every
+    `eval_every`-th step and after the last, and logged with that step."""
     g = ctx.cfg.grpo
     batch_size = g.batch_size
     schedule = prompt_schedule(len(entries), batch_size, g.steps, ctx.cfg.data.seed)
@@ -475,8 +533,11 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
                               max_tokens=(float(g.max_total_tokens)
                                           if kernels.get_loss_type(g.loss_type).scaled_by_max_tokens else None))
     conditioning = rl_rollout_conditioning(stage, finetune_stage, g.p_high)
+    probe = RewardProbe(ctx, stage, policy, engine, entries, finetune_stage)
     last = {}
     with ctx.metrics(stage, resume_step=start if start else None) as log:
+        if g.eval_every and start == 0:
+            log.log(0, **probe.measure(0))
         for step in progress(range(start, g.steps), total=g.steps, initial=start, desc=stage):
             played, offset, (lo, hi) = step_share(schedule[step], ctx.cfg.run.engine_tp_size)
             version = scheduler.last_epoch
@@ -490,7 +551,7 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
                 doc_style=ctx.cfg.data.doc_style, progress=False, policy_version=version,
             )
 
-            extra_generated = []  # tokens sampled by dynamic sampling's extra draws
+            extra_generated = []  # tokens sampled by each rollout of dynamic sampling's extra draws
 
             def play(indices, draw, live):
                 step_entries = [entries[i] for i in indices]
@@ -513,10 +574,12 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
             # Dynamic sampling is single-process: its renumbered groups all lie in [lo, hi).
             rollouts = [r for r in rollouts if lo <= r.group < hi]
             t1 = time.perf_counter()
-            policy.train_mode()
             stats = rl_step(ctx, policy, optimizer, scheduler, to_trajectories(rollouts), settings, update, step)
             policy.eval_mode()
             t2 = time.perf_counter()
+            evaluated = {}
+            if g.eval_every and ((step + 1) % g.eval_every == 0 or step + 1 == g.steps):
+                evaluated = probe.measure(step + 1)
             # Reward statistics are those of the scheduled prompts (comparable
             # across pipelines); dynamic sampling's extra draws are counted apart.
             everyone = gather_summaries([r for r in scheduled if lo <= r.group < hi], offset)
@@ -524,9 +587,10 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
             last = log.log(
                 step + 1,
                 **group_stats(everyone), **stats, **ds_counts, policy_version=version,
+                rollouts_played=len(everyone) + len(extra_generated),
                 lr=scheduler.get_last_lr()[0], rollout_s=t1 - t0, update_s=t2 - t1,
                 tokens_per_s=stats.get("batch_tokens", 0) / max(t2 - t1, 1e-9),
-                generated_tokens_per_s=generated / max(t1 - t0, 1e-9),
+                generated_tokens_per_s=generated / max(t1 - t0, 1e-9), **evaluated,
             )
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < g.steps:
                 ctx.save(stage, step + 1, policy, optimizer, scheduler)

@@ -36,4 +36,5 @@ def clip_and_step(policy: TrainablePolicy, optimizer, scheduler, max_grad_norm: 
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    policy.equals_reference = False
     return float(norm)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from rcgrpo.config import parse_args
 from rcgrpo.data.rctp import RctpDataError, build_rctp, load_records, save_records, summary
 from rcgrpo.envs.bfcl import load_entries, split_train_test
 from rcgrpo.models import reward_token_ids
@@ -11,6 +12,11 @@ from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.rollout.agent_loop import RolloutConfig
 
 CFG = RolloutConfig(max_new_tokens=12, max_total_tokens=6144, doc_style="compact_no_response", progress=False)
+
+
+def rctp(*flags):
+    """The config's RCTP section with these flags."""
+    return parse_args(list(flags), check_files=False).rctp
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +27,7 @@ def base_entries():
 
 def test_rctp_records_are_labelled_tagged_and_balanced(vllm_engine, tokenizer, base_entries, tmp_path):
     # failures come from real rollouts of the starting model (the shared vLLM engine)
-    records = build_rctp(vllm_engine, base_entries, tokenizer, CFG, failure_ratio=1.0, attempts=1,
-                         fill_with_perturbed=True, seed=0)
+    records = build_rctp(vllm_engine, base_entries, tokenizer, CFG, rctp("--rctp.failure_attempts", "1"), seed=0)
     kinds = summary(records)
     assert kinds["total"] == 6 and kinds["expert_high"] == 3
     assert kinds.get("failure_low", 0) + kinds.get("perturbed_low", 0) + kinds.get("perturbed_high", 0) == 3
@@ -39,12 +44,10 @@ def test_rctp_records_are_labelled_tagged_and_balanced(vllm_engine, tokenizer, b
 def test_perturbed_experts_fill_missing_failures(tokenizer, base_entries):
     # With no rollout attempts no failure is collected: perturbed experts
     # fill the quota, each labelled by executing it.
-    records = build_rctp(None, base_entries, tokenizer, CFG, failure_ratio=1.0, attempts=0,
-                         fill_with_perturbed=True, seed=0)
+    records = build_rctp(None, base_entries, tokenizer, CFG, rctp("--rctp.failure_attempts", "0"), seed=0)
     perturbed = [r for r in records if r.kind == "perturbed"]
-    assert len(perturbed) == 3
-    assert all(r.reward in (0.0, 1.0) for r in perturbed)
-    assert any(r.reward == 0.0 for r in perturbed)
+    assert len(perturbed) == 3 and {r.entry_id for r in perturbed} == {e.id for e in base_entries}
+    assert all(r.reward == 0.0 and r.reward_token == LOW_REWARD for r in perturbed)
 
 
 def test_malformed_rctp_file_is_named(tmp_path):

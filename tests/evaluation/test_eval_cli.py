@@ -44,6 +44,18 @@ def test_ground_truth_cli_prints_full_accuracy():
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
-    for name in ("base", "miss_func", "miss_param", "long_context", "overall"):
+    for name in ("base", "miss_func", "miss_param", "long_context", "overall", "macro"):
         assert lines[name][-1] == "100.00%", proc.stdout
     assert lines["base"][1] == "200"
+
+
+def test_overall_is_the_accuracy_over_all_entries_not_the_mean_of_categories():
+    """The paper's overall (a multiple of 1/80 on its test split) pools the
+    entries; bfcl_eval's summary, the unweighted mean of the categories, is
+    "macro"."""
+    from rcgrpo.evaluation.replay_scoring import accuracy_table
+
+    table = accuracy_table([("base", True), ("base", False), ("base", False), ("miss_func", True)])
+    assert table["base"] == pytest.approx(1 / 3) and table["miss_func"] == 1.0
+    assert table["overall"] == pytest.approx(2 / 4)
+    assert table["macro"] == pytest.approx((1 / 3 + 1) / 2)

@@ -59,12 +59,14 @@ def test_each_rl_step_wakes_swaps_generates_and_sleeps_before_the_update(tiny_fo
 
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "phases", "--run.checkpoint_every", "0",
                       "--run.tensorboard", "false", "--grpo.steps", "2", "--grpo.batch_size", "1",
-                      "--grpo.group_size", "2", "--grpo.max_new_tokens", "4", "--grpo.lr", "1e-2"],
+                      "--grpo.group_size", "2", "--grpo.max_new_tokens", "4", "--grpo.lr", "1e-2",
+                      "--grpo.eval_every", "0"],
                      check_files=False)
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     with torch.no_grad():  # unlike its reference: the KL term moves the weights even if every reward is 0
         policy.model.model.norm.weight.mul_(1.5)
+    policy.equals_reference = False
     train, _ = split_train_test(load_entries(["base"]))
     spy = SpyEngine(HFEngine(TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"),
                                                   reference=False).model, tokenizer))

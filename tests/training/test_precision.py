@@ -33,10 +33,15 @@ def keep_the_last_layers(model) -> None:
 
 
 @pytest.fixture(scope="module")
-def batch(tokenizer):
+def trajectories(tokenizer):
     records = [chat_record(tokenizer, "List the files.", "[ls(a=True)]", HIGH_REWARD, 1.0),
-               chat_record(tokenizer, "Go to the folder temp.", "[cd(folder='temp')]", HIGH_REWARD, 1.0)]
-    return pack([r.trajectory() for r in records])
+               chat_record(tokenizer, "Go to the folder temp.", "[cd(folder='temp')]", HIGH_REWARD, 0.0)]
+    return [r.trajectory() for r in records]
+
+
+@pytest.fixture(scope="module")
+def batch(trajectories):
+    return pack(trajectories)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -103,14 +108,53 @@ def test_bf16_compute_runs_the_decoder_and_head_in_bf16_from_fp32_masters(model_
     assert policy.lm.hidden_states(batch).dtype == torch.bfloat16
     # On CPU the chunked kernels compute the head in fp32: the master weight as is.
     assert policy.lm.lm_head_weight().dtype == torch.float32
-    # The frozen reference is held in the compute dtype: nothing updates it.
+    # The frozen reference holds what autocast computes with: the decoder's
+    # Linear weights in bf16, the embedding (the tied head here) in fp32.
     with policy.reference() as ref:
-        assert ref.lm_head_weight().dtype == torch.bfloat16
+        assert ref.lm_head_weight().dtype == torch.float32
         assert ref.hidden_states(batch).dtype == torch.bfloat16
     policy.train_mode()
     sft_loss(policy.lm, batch, fused=True)[0].backward()
     grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
     assert len(grads) >= 10 and all(g.dtype == torch.float32 for g in grads)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tokenizer):
+    from tests.training.conftest import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tokenizer)
+
+
+def test_under_bf16_autocast_the_reference_computes_exactly_like_the_policy_at_step_0(tmp_path, tokenizer,
+                                                                                     tiny_folder, trajectories):
+    """KL is 0 before the first update, not rounding noise: the policy runs
+    fp32 masters under bf16 autocast, and its reference computes the same
+    numbers (a copy held all in bf16 does not: its embeddings, norms and
+    residual stream round)."""
+    from transformers import AutoModelForCausalLM
+
+    from rcgrpo.training.context import RunContext
+    from rcgrpo.training.grpo import UpdateSettings, rl_step
+    from rcgrpo.training.losses import RLLossSettings, reference_logprobs, token_logprobs
+
+    cfg = parse_args(["--model.dtype", "bfloat16", "--fused", "--out-dir", str(tmp_path), "--run.tensorboard",
+                      "false"], check_files=False)
+    policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
+    batch = pack(trajectories)
+    with torch.no_grad():
+        own = token_logprobs(policy.lm, batch, fused=True).float()
+    ref = reference_logprobs(policy, batch, fused=True, temperature=1.0)[batch.loss_mask]
+    assert torch.equal(own, ref)
+    all_bf16 = AutoModelForCausalLM.from_pretrained(str(tiny_folder), dtype=torch.bfloat16)
+    lm = PackedLM(all_bf16.model, all_bf16.config, lambda: all_bf16.lm_head.weight, torch.bfloat16, "cpu")
+    with torch.no_grad():
+        assert not torch.equal(token_logprobs(lm, batch, fused=True).float(), ref)
+    # Step 1 of an RL stage (rewards 1 and 0: a non-zero advantage) reports KL exactly 0.
+    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 1, 0.0)
+    stats = rl_step(ctx, policy, optimizer, scheduler, trajectories, RLLossSettings(beta=0.1), UpdateSettings())
+    assert stats["updates"] == 1 and stats["kl"] == 0.0
 
 
 def test_float16_compute_is_refused_with_the_reason():

@@ -160,7 +160,7 @@ def _ds_run(tmp_path, tokenizer, tiny_folder, *flags):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "ds", "--pipeline", "sft+grpo-ds",
                       "--run.checkpoint_every", "0", "--run.tensorboard", "false", "--grpo.steps", "1",
                       "--grpo.batch_size", "2", "--grpo.group_size", "2", "--grpo.max_new_tokens", "64",
-                      "--grpo.beta", "0", "--grpo.lr", "1e-3", *flags], check_files=False)
+                      "--grpo.beta", "0", "--grpo.lr", "1e-3", "--grpo.eval_every", "0", *flags], check_files=False)
     assert cfg.grpo.dynamic_sampling
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=False)
@@ -182,6 +182,7 @@ def test_train_rl_with_dynamic_sampling_keeps_only_informative_groups(tmp_path, 
     train_rl(ctx, "grpo", policy, engine, base_entries, finetune_stage="sft")
     (row,) = _metrics(tmp_path)
     assert (row["ds_draws"], row["ds_prompts_drawn"], row["ds_groups_kept"], row["ds_groups_dropped"]) == (2, 4, 2, 2)
+    assert row["rollouts_played"] == 4 * 2  # every prompt drawn, G = 2
     assert sorted(set(engine.played[4:])) == sorted(solvable) and len(engine.played) == 8
     # Only the kept groups (rewards 1, 0 each) reached the loss: every advantage is +-1.
     assert row["adv_abs_mean"] == pytest.approx(1.0, abs=1e-5) and row["updates"] == 1
@@ -360,14 +361,29 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
 def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base_entries):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "agree", "--run.checkpoint_every", "0",
                       "--run.tensorboard", "false", "--grpo.steps", "2", "--grpo.batch_size", "1",
-                      "--grpo.group_size", "2", "--grpo.max_new_tokens", "8", "--grpo.beta", "0",
-                      "--grpo.tis_cap", "2"], check_files=False)
+                      "--grpo.group_size", "2", "--grpo.max_new_tokens", "8", "--grpo.beta", "0.1",
+                      "--grpo.tis_cap", "2", "--grpo.eval_every", "1", "--grpo.eval_rollouts", "3"], check_files=False)
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
-    policy = _fresh(tiny_folder)
+    policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
+    # The tiny model earns reward 0 everywhere: a policy unlike its reference gives each
+    # step a gradient (its KL term), so that no step is skipped and each scores its tokens.
+    with torch.no_grad():
+        policy.model.model.norm.weight.mul_(1.5)
+    policy.equals_reference = False
     engine = HFEngine(_fresh(tiny_folder).model, tokenizer)
     train_rl(ctx, "rc-grpo", policy, engine, base_entries[:1], finetune_stage="rctp")
     rows = [json.loads(x) for x in (tmp_path / "agree" / "metrics.jsonl").read_text().splitlines()]
+    # The learning curve: before the first step, then after each (eval_every 1), under each reward
+    # token (an rc-grpo stage after rctp); one entry played 3 times per token.
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        for name in ("high", "low"):
+            mean, lo, hi = (r[f"sampled_reward_{name}{end}"] for end in ("", "_lo", "_hi"))
+            assert r[f"sampled_reward_{name}_n"] == 3 and 0.0 <= lo <= mean <= hi <= 1.0
+        assert "sampled_reward_none" not in r
+    rows = rows[1:]
     assert [r["policy_version"] for r in rows] == [0, 1]
+    assert [r["rollouts_played"] for r in rows] == [2, 2] and [r["update_skipped"] for r in rows] == [0, 0]
     for r in rows:
         # the HF engine samples with the same fp32 weights: rounding only
         assert 0 <= r["logp_diff_abs_mean"] < 1e-4 and r["logp_diff_over_0.1_frac"] == 0.0

@@ -12,10 +12,13 @@ def tokenizer():
     return load_tokenizer(resolve_model_folder(None))
 
 
-def test_entry_ids_select_exactly_those(tokenizer):
-    cfg = parse_args(["--data.categories", "base", "--data.entry_ids", "multi_turn_base_104,multi_turn_base_100"])
-    assert cfg.data.train_subset == 4  # the cpu-small preset's subset does not drop named entries
-    assert [e.id for e in training_entries(cfg, tokenizer)] == ["multi_turn_base_100", "multi_turn_base_104"]
+def test_entry_ids_select_exactly_those_whatever_the_subset(tokenizer):
+    ids = "multi_turn_base_104,multi_turn_base_100,multi_turn_base_132"
+    cfg = parse_args(["--data.categories", "base", "--data.entry_ids", ids, "--data.train_subset", "1"])
+    # An explicit list wins: a subset setting (from a preset or a flag) drops none of it.
+    assert [e.id for e in training_entries(cfg, tokenizer)] == sorted(ids.split(","))
+    assert len(training_entries(parse_args(["--data.categories", "base", "--data.train_subset", "3",
+                                            "--data.entry_ids", "none"]), tokenizer)) == 3
 
 
 @pytest.mark.parametrize("bad, needle", [("no_such_entry", "not training entries"), (None, "not training entries")])
