@@ -170,6 +170,8 @@ def test_an_rl_update_moves_each_rollout_with_its_advantage(tmp_path, tokenizer,
         assert torch.sign(moved[own].mean()) == torch.sign(advantages[own].mean()), (moved, advantages)
     else:
         assert torch.all(torch.sign(moved[own]) == torch.sign(advantages[own])), (moved, advantages)
+    for s in near_misses_at:  # its shared part decides: it moves with its group's expert
+        assert torch.sign(moved[s]) == torch.sign(advantages[s - 1]), (s, moved, advantages)
 
 
 def _swap_tags(trajectory, ids):
