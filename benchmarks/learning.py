@@ -153,20 +153,23 @@ def rctp_part(args, source: str) -> Path:
         "--rctp.warmup_ratio", 0, "--rctp.steer_every", 1])
 
 
-def rl_start(args, rctp_run: Path) -> Path:
+def rl_start(args, rctp_run: Path, materialise: bool = True) -> Path:
     """The RCTP arms' start: the near-miss run's model at `--rl-start-step`,
     copied out of its checkpoint (a model folder with its tokenizer) into
     `<run>/start-step<N>/models/rctp`; the run's final model when that step
-    is its last."""
+    is its last. `materialise=False` only names the folder (reading
+    finished parts needs no checkpoint)."""
     import shutil
 
     if args.rl_start_step == args.rctp_steps:
         return rctp_run
     start = rctp_run / f"start-step{args.rl_start_step}"
-    if not (start / "models" / "rctp" / "model.safetensors").exists():
+    if materialise and not (start / "models" / "rctp" / "model.safetensors").exists():
         ckpt = rctp_run / "checkpoints" / "rctp" / f"ckpt-{args.rl_start_step:08d}" / "model"
         if not ckpt.is_dir():
-            raise SystemExit(f"--rl-start-step {args.rl_start_step}: no checkpoint {ckpt}")
+            # Checkpoints are not committed: a fresh clone has the results, not the weights.
+            raise SystemExit(f"--rl-start-step {args.rl_start_step}: no checkpoint {ckpt}; to rebuild it, "
+                             f"move {rctp_run} aside and run --parts rctp again")
         shutil.copytree(ckpt, start / "models" / "rctp", dirs_exist_ok=True)
     return start
 
@@ -281,7 +284,8 @@ def report(results: dict) -> str:
                   f"{s['rctp_lr']})", "",
                   "| failure source | records | first divergence (tokens into the reply: min / median / max) | "
                   "steer at step 0 | at the end | p(expert) high / low at the end | "
-                  "sampled reward, high | low | high - low (95%) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "sampled reward, high | low | high - low (95%) | training minutes |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for source, part in rctp.items():
             st = part.get("steer", [])
             g = part.get("gap")
@@ -296,6 +300,7 @@ def report(results: dict) -> str:
                 cells += [str(hi), str(lo), f"{d:+.3f} [{a:+.3f}, {b:+.3f}]"]
             else:
                 cells += ["-", "-", "-"]
+            cells.append(f"{part['minutes']:.0f}" if part.get("minutes") is not None else "-")
             lines.append("| " + " | ".join(cells) + " |")
         start = results.get("rl_start", {})
         if start.get("gap"):
@@ -354,7 +359,7 @@ def report(results: dict) -> str:
                          f"{st[-1].get('kl', 0.0):.2e} | {sum(clip) / len(clip):.3f} | {a['rollouts_played']} | "
                          f"{hl} | {a['seconds'] / 60:.0f} |")
         lines.append("")
-    if "minutes" in results:
+    if results.get("minutes") is not None:
         lines.append(f"Wall time of the parts run by the last invocation: {results['minutes']} min.")
     return "\n".join(lines) + "\n"
 
@@ -385,6 +390,10 @@ def plot(results: dict, path: Path) -> None:
                             color=line.get_color(), alpha=0.12)
     ax.set(title="sampled reward on fixed training prompts (95%)", xlabel="RL step", ylim=(-0.02, 1.02))
     ax.legend(fontsize=7)
+    if not results.get("arms"):
+        for a in (axes[0][1], axes[1][0], axes[1][1]):
+            a.text(0.5, 0.5, "RL arms not run yet\n(--parts sft,sweep,arms)", ha="center", va="center",
+                   transform=a.transAxes, color="0.4")
     for ax, key, title in ((axes[1][0], "zero_var_frac", "zero-variance share of groups"),
                            (axes[1][1], "entropy", "policy entropy on generated tokens")):
         for arm, a in results.get("arms", {}).items():
@@ -412,16 +421,20 @@ def collect(args, parts: set[str]) -> dict:
             rctp_part(args, source)
         if not done(args, run.name, "rctp"):
             continue
-        steer_rows = [r for r in records(run, "rctp") if "steer" in r]
+        rows = records(run, "rctp")
+        steer_rows = [r for r in rows if "steer" in r]
         data = json.loads((run / "stages" / "rctp-data.done").read_text())
-        results["rctp"][source] = {"steer": steer_rows, "data": data}
+        times = [r["time"] for r in rows if "time" in r]
+        results["rctp"][source] = {"steer": steer_rows, "data": data,
+                                   "minutes": round((max(times) - min(times)) / 60, 1) if times else None}
         if "gap" in parts or (args.out / "parts" / f"gap-{run.name}.json").exists():
             results["rctp"][source]["gap"] = gap_part(args, run)
         if source == "near_miss":  # the RL arms' start, and its gap
-            start = rl_start(args, run)
+            start = rl_start(args, run, materialise=False)
             results["rl_start"] = {"step": args.rl_start_step, "model": str(start / "models" / "rctp")}
-            if start != run and ("gap" in parts or (args.out / "parts" / f"gap-{run.name}-{start.name}.json").exists()):
-                results["rl_start"]["gap"] = gap_part(args, start)
+            measured = (args.out / "parts" / f"gap-{run.name}-{start.name}.json").exists()
+            if start != run and ("gap" in parts or measured):
+                results["rl_start"]["gap"] = gap_part(args, rl_start(args, run, materialise=not measured))
     near = args.out / "rctp-near_miss"
     if "rctp" in parts:
         late_divergence_part(args)
@@ -430,7 +443,8 @@ def collect(args, parts: set[str]) -> dict:
             (args.out / "data-late_divergence" / "stages" / "rctp-data.done").read_text())
     if "sft" in parts:
         sft_part(args)
-    rctp_start = rl_start(args, near) if done(args, near.name, "rctp") else None
+    rl_parts = bool({"sweep", "arms"} & parts)
+    rctp_start = rl_start(args, near, materialise=rl_parts) if done(args, near.name, "rctp") else None
     results["sweep"] = {}
     for lr in args.sweep_lrs.split(","):
         name = f"sweep-{lr}"
