@@ -12,7 +12,7 @@ from rcgrpo.training.losses import current_logprobs
 # Measured on the 2-core CPU machine (2026-12-01): this test's 4 rollouts
 # (631 sampled tokens of a short base entry) gave a mean |logp_engine -
 # logp_trainer| of 9.4e-06 nats, no token over 0.1, per-sequence log-ratios
-# within 1.3e-03; the RL steps of the mechanism study's sft+grpo-ds arm (135M,
+# within 1.3e-03; the RL steps of the earlier mechanism study's (runs/mechanism/) sft+grpo-ds arm (135M,
 # vLLM fp32, ~300-500 sampled tokens a step) logged 1.1-1.3e-06. Both sides
 # run the same fp32 weights; what differs is the kernels (vLLM's CPU attention
 # and fused ops vs transformers' SDPA over a packed block mask) and the
