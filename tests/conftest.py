@@ -51,6 +51,16 @@ def tokenizer(model_dir):
     return load_tokenizer(model_dir)
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tokenizer):
+    """A tiny random Llama with the real token-extended tokenizer, saved as a
+    model folder (tests.training.conftest.save_tiny_llama), one per test
+    module: fast updates on real BFCL prompts."""
+    from tests.training.conftest import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tokenizer)
+
+
 @pytest.fixture(scope="session")
 def policy(model_dir):
     from rcgrpo.models import load_policy

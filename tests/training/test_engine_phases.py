@@ -11,7 +11,6 @@ from rcgrpo.rollout.engine import awake
 from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.grpo import train_rl
-from tests.training.conftest import save_tiny_llama
 
 
 class SpyEngine:
@@ -45,12 +44,6 @@ class SpyEngine:
         if not self.calls or self.calls[-1] != "generate":
             self.calls.append("generate")
         return self.inner.generate(prompts, sampling)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tokenizer):
-    """Fast updates on real 2k-token BFCL prompts."""
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tokenizer)
 
 
 @pytest.mark.slow  # RL steps with generation by the transformers engine (~2.5 s)

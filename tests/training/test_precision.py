@@ -119,13 +119,6 @@ def test_bf16_compute_runs_the_decoder_and_head_in_bf16_from_fp32_masters(model_
     assert len(grads) >= 10 and all(g.dtype == torch.float32 for g in grads)
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tokenizer):
-    from tests.training.conftest import save_tiny_llama
-
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tokenizer)
-
-
 def test_under_bf16_autocast_the_reference_computes_exactly_like_the_policy_at_step_0(tmp_path, tokenizer,
                                                                                      tiny_folder, trajectories):
     """KL is 0 before the first update, not rounding noise: the policy runs

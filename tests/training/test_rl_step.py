@@ -28,14 +28,8 @@ from rcgrpo.training.grpo import (
 )
 from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
-from tests.training.conftest import save_tiny_llama
 
 FAIL_REPLY = "I cannot help with that."
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tokenizer):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -41,18 +41,12 @@ from rcgrpo.training.finetune import finetune
 from rcgrpo.training.grpo import UpdateSettings, rl_step, to_trajectories, trainer_logprobs
 from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
-from tests.training.conftest import save_tiny_llama
 
 ENTRY_IDS = ("multi_turn_base_100", "multi_turn_base_105")  # short TradingBot entries, one system prompt
 ROLLOUT = RolloutConfig(max_new_tokens=24, max_total_tokens=4096, doc_style="compact_no_response", progress=False,
                         seed=5)
 LORA = ["--model.lora.enabled", "true", "--model.lora.r", "4", "--model.lora.alpha", "8",
         "--model.lora.dropout", "0.05", "--model.lora.target_modules", "q_proj,v_proj,down_proj"]
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tokenizer):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tokenizer)
 
 
 @pytest.fixture(scope="module")
