@@ -22,10 +22,10 @@ study. The parts, in order:
 2. gap: each RCTP checkpoint sampled on its training entries under
    <|high_reward|> and under <|low_reward|> (T = 1): rewards with 95%
    Wilson intervals and the gap's 95% interval (Newcombe).
-   The RL arms start from the near-miss run's checkpoint at step
-   `--rl-start-step` (20): at step 30 the policy already solves ~90% of its
-   rollouts under the high token, which leaves RL no room to show (its gap
-   is measured at both).
+   The RL arms start from the control run's checkpoint (`--rl-start-source`
+   rollouts, the paper's failure source) at step `--rl-start-step` (15): at
+   step 30 the policy already solves ~98% of its rollouts under the high
+   token, which leaves RL no room to show (its gap is measured at both).
 3. sft: the SFT start of the SFT arms: the experts alone, `--sft-steps` (8)
    full-batch steps at lr 1e-4 (the paper's SFT : RCTP epochs are 2 : 5).
 4. sweep: short RC-GRPO runs from the RCTP start at a few learning rates;
@@ -61,7 +61,8 @@ ENTRIES = ["multi_turn_base_100", "multi_turn_base_104", "multi_turn_base_105", 
            "multi_turn_base_115", "multi_turn_base_120", "multi_turn_base_135", "multi_turn_base_146"]
 SOURCES = ("near_miss", "rollouts")  # trained and compared; late_divergence is only built
 # arm -> (its pipeline's start: "sft" or "rctp", the RL stage)
-ARMS = {"sft+grpo": ("sft", "grpo"), "rctp+grpo": ("rctp", "grpo"), "rctp+rc-grpo": ("rctp", "rc-grpo"),
+# (in the order they run: the paper's arm first)
+ARMS = {"rctp+rc-grpo": ("rctp", "rc-grpo"), "rctp+grpo": ("rctp", "grpo"), "sft+grpo": ("sft", "grpo"),
         "sft+grpo-ds": ("sft", "grpo")}
 PARTS = ("rctp", "gap", "sft", "sweep", "arms")
 
@@ -73,8 +74,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--entries", default=",".join(ENTRIES), help="comma-separated training entry ids")
     p.add_argument("--rctp-steps", type=int, default=30, help="RCTP full-batch steps (epochs)")
     p.add_argument("--rctp-lr", type=float, default=1e-4)
-    p.add_argument("--rl-start-step", type=int, default=20,
-                   help="the RCTP arms start from the near-miss RCTP checkpoint of this step (a multiple of 5)")
+    p.add_argument("--rl-start-source", choices=SOURCES, default="rollouts",
+                   help="the RCTP run (its failure source) whose checkpoint the RCTP arms start from")
+    p.add_argument("--rl-start-step", type=int, default=15,
+                   help="the RCTP arms start from that run's checkpoint of this step (a multiple of 5)")
     p.add_argument("--sft-steps", type=int, default=8, help="SFT full-batch steps (epochs)")
     p.add_argument("--gap-rollouts", type=int, default=96, help="rollouts per reward token in part 2")
     p.add_argument("--sweep-lrs", default="5e-6,1.5e-5,4.5e-5", help="RL learning rates of the sweep")
@@ -154,7 +157,7 @@ def rctp_part(args, source: str) -> Path:
 
 
 def rl_start(args, rctp_run: Path, materialise: bool = True) -> Path:
-    """The RCTP arms' start: the near-miss run's model at `--rl-start-step`,
+    """The RCTP arms' start: an RCTP run's model at `--rl-start-step`,
     copied out of its checkpoint (a model folder with its tokenizer) into
     `<run>/start-step<N>/models/rctp`; the run's final model when that step
     is its last. `materialise=False` only names the folder (reading
@@ -307,7 +310,8 @@ def report(results: dict) -> str:
             g = start["gap"]
             hi, lo = Rate(g["high"]["k"], g["high"]["n"]), Rate(g["low"]["k"], g["low"]["n"])
             d, (a, b) = difference(hi, lo)
-            lines += ["", f"The RL arms' start, the near-miss run at step {start['step']}: high {hi}, low {lo}, "
+            lines += ["", f"The RL arms' start, the {start['source']} run at step {start['step']}: high {hi}, "
+                      f"low {lo}, "
                       f"high - low {d:+.3f} [{a:+.3f}, {b:+.3f}]."]
         late = results.get("late_divergence")
         if late:
@@ -317,7 +321,7 @@ def report(results: dict) -> str:
         lines.append("")
     sweep = results.get("sweep", {})
     if any(sweep.values()):
-        lines += [f"## Learning rate sweep (RCTP + RC-GRPO from the near-miss RCTP, {s['sweep_steps']} steps)", "",
+        lines += [f"## Learning rate sweep (RCTP + RC-GRPO from the RL arms' start, {s['sweep_steps']} steps)", "",
                   "| lr | sampled reward under high, step 0 | after the sweep |", "|---|---|---|"]
         for lr, p in sweep.items():
             if p:
@@ -429,13 +433,14 @@ def collect(args, parts: set[str]) -> dict:
                                    "minutes": round((max(times) - min(times)) / 60, 1) if times else None}
         if "gap" in parts or (args.out / "parts" / f"gap-{run.name}.json").exists():
             results["rctp"][source]["gap"] = gap_part(args, run)
-        if source == "near_miss":  # the RL arms' start, and its gap
+        if source == args.rl_start_source:  # the RL arms' start, and its gap
             start = rl_start(args, run, materialise=False)
-            results["rl_start"] = {"step": args.rl_start_step, "model": str(start / "models" / "rctp")}
+            results["rl_start"] = {"source": source, "step": args.rl_start_step,
+                                   "model": str(start / "models" / "rctp")}
             measured = (args.out / "parts" / f"gap-{run.name}-{start.name}.json").exists()
             if start != run and ("gap" in parts or measured):
                 results["rl_start"]["gap"] = gap_part(args, rl_start(args, run, materialise=not measured))
-    near = args.out / "rctp-near_miss"
+    rctp_run = args.out / f"rctp-{args.rl_start_source}"
     if "rctp" in parts:
         late_divergence_part(args)
     if done(args, "data-late_divergence", "rctp-data"):
@@ -444,7 +449,7 @@ def collect(args, parts: set[str]) -> dict:
     if "sft" in parts:
         sft_part(args)
     rl_parts = bool({"sweep", "arms"} & parts)
-    rctp_start = rl_start(args, near, materialise=rl_parts) if done(args, near.name, "rctp") else None
+    rctp_start = rl_start(args, rctp_run, materialise=rl_parts) if done(args, rctp_run.name, "rctp") else None
     results["sweep"] = {}
     for lr in args.sweep_lrs.split(","):
         name = f"sweep-{lr}"
