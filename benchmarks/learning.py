@@ -311,8 +311,7 @@ def report(results: dict) -> str:
             hi, lo = Rate(g["high"]["k"], g["high"]["n"]), Rate(g["low"]["k"], g["low"]["n"])
             d, (a, b) = difference(hi, lo)
             lines += ["", f"The RL arms' start, the {start['source']} run at step {start['step']}: high {hi}, "
-                      f"low {lo}, "
-                      f"high - low {d:+.3f} [{a:+.3f}, {b:+.3f}]."]
+                      f"low {lo}, high - low {d:+.3f} [{a:+.3f}, {b:+.3f}]."]
         late = results.get("late_divergence")
         if late:
             lines += ["", f"late_divergence (data only; 16 rollouts per entry, first divergence at least 8 "
@@ -419,6 +418,7 @@ def collect(args, parts: set[str]) -> dict:
     results: dict = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                   if k not in ("worker", "model", "result", "report_only")}}
     results["rctp"] = {}
+    rctp_run = args.out / f"rctp-{args.rl_start_source}"  # the RCTP arms start from its checkpoint
     for source in SOURCES:
         run = args.out / f"rctp-{source}"
         if "rctp" in parts:
@@ -433,14 +433,13 @@ def collect(args, parts: set[str]) -> dict:
                                    "minutes": round((max(times) - min(times)) / 60, 1) if times else None}
         if "gap" in parts or (args.out / "parts" / f"gap-{run.name}.json").exists():
             results["rctp"][source]["gap"] = gap_part(args, run)
-        if source == args.rl_start_source:  # the RL arms' start, and its gap
+        if run == rctp_run:  # the RL arms' start, and its gap
             start = rl_start(args, run, materialise=False)
             results["rl_start"] = {"source": source, "step": args.rl_start_step,
                                    "model": str(start / "models" / "rctp")}
             measured = (args.out / "parts" / f"gap-{run.name}-{start.name}.json").exists()
             if start != run and ("gap" in parts or measured):
                 results["rl_start"]["gap"] = gap_part(args, rl_start(args, run, materialise=not measured))
-    rctp_run = args.out / f"rctp-{args.rl_start_source}"
     if "rctp" in parts:
         late_divergence_part(args)
     if done(args, "data-late_divergence", "rctp-data"):
