@@ -268,6 +268,75 @@ def summarise_arm(rows: list[dict], conditioning: str) -> dict:
             "seconds": sum(s.get("rollout_s", 0) + s.get("update_s", 0) for s in steps)}
 
 
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """Mean and its normal 95% interval over steps (the steps are treated as
+    independent draws, which consecutive RL steps are not quite)."""
+    import statistics
+
+    from rcgrpo.evaluation.stats import Z95
+
+    m = statistics.fmean(values)
+    half = Z95 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return m, m - half, m + half
+
+
+def dynamics(arms: dict, groups_per_step: int, late: int = 10) -> dict | None:
+    """The paper's training-dynamics claims, RCTP + RC-GRPO against RCTP +
+    GRPO (the same start, the same lr): (1) a lower zero-variance share of
+    groups (pooled group counts, late = the last `late` steps), so a non-zero
+    advantage spread late in training; (2) its reward reached at lower policy
+    entropy (the final probe under the high token; entropy over the last
+    `late` steps), entropy and reward negatively correlated over the steps.
+    None until both arms have steps."""
+    from rcgrpo.evaluation.stats import Rate, difference
+
+    rc, plain = arms.get("rctp+rc-grpo"), arms.get("rctp+grpo")
+    if not (rc and plain and rc["steps"] and plain["steps"]):
+        return None
+    out = {"late_steps": late}
+    for arm, a in (("rc-grpo", rc), ("grpo", plain)):
+        st = a["steps"]
+        zero = lambda rows: Rate(sum(round(x["zero_var_frac"] * groups_per_step) for x in rows),  # noqa: E731
+                                 groups_per_step * len(rows))
+        ent = [x["entropy"] for x in st[-late:]]
+        pairs = [(x["entropy"], x["reward_mean"]) for x in st]
+        final = a["probes"].get("high", [])
+        out[arm] = {"steps": len(st), "zero_var": zero(st), "zero_var_late": zero(st[-late:]),
+                    "adv_abs_late": sum(x.get("adv_abs_mean", 0.0) for x in st[-late:]) / len(st[-late:]),
+                    "entropy_late": mean_ci(ent), "entropy_reward_corr": pearson(pairs),
+                    "final_reward": final[-1] if final else None}
+    d, ci = difference(out["rc-grpo"]["zero_var"], out["grpo"]["zero_var"])
+    dl, cil = difference(out["rc-grpo"]["zero_var_late"], out["grpo"]["zero_var_late"])
+    out["zero_var_diff"], out["zero_var_late_diff"] = (d, ci), (dl, cil)
+    out["claim_zero_var"] = verdict(ci)
+    e_rc, e_g = out["rc-grpo"]["entropy_late"], out["grpo"]["entropy_late"]
+    f_rc, f_g = out["rc-grpo"]["final_reward"], out["grpo"]["final_reward"]
+    lower_entropy = "lower" if e_rc[2] < e_g[1] else "higher" if e_rc[1] > e_g[2] else "overlapping"
+    reward = ("higher" if f_rc["ci"][0] > f_g["ci"][1] else "lower" if f_rc["ci"][1] < f_g["ci"][0]
+              else "overlapping") if f_rc and f_g else "unmeasured"
+    out["claim_entropy"] = {"entropy": lower_entropy, "reward": reward}
+    for arm in ("rc-grpo", "grpo"):
+        for key in ("zero_var", "zero_var_late"):
+            r = out[arm][key]
+            out[arm][key] = {"k": r.k, "n": r.n, "mean": r.mean, "ci": list(r.ci)}
+    return out
+
+
+def verdict(ci: tuple[float, float]) -> str:
+    """Whether a difference's 95% interval says RC-GRPO's value is lower."""
+    return "lower" if ci[1] < 0 else "higher" if ci[0] > 0 else "not distinguishable"
+
+
+def pearson(pairs: list[tuple[float, float]]) -> float | None:
+    """Pearson's r over the steps; None where it is undefined (under 3 steps, a constant series)."""
+    import statistics
+
+    try:
+        return statistics.correlation(*zip(*pairs)) if len(pairs) >= 3 else None
+    except statistics.StatisticsError:
+        return None
+
+
 # --------------------------------------------------------------------- report
 
 
@@ -362,9 +431,47 @@ def report(results: dict) -> str:
                          f"{st[-1].get('kl', 0.0):.2e} | {sum(clip) / len(clip):.3f} | {a['rollouts_played']} | "
                          f"{hl} | {a['seconds'] / 60:.0f} |")
         lines.append("")
+    dyn = results.get("dynamics")
+    if dyn:
+        lines += dynamics_report(dyn)
     if results.get("minutes") is not None:
         lines.append(f"Wall time of the parts run by the last invocation: {results['minutes']} min.")
     return "\n".join(lines) + "\n"
+
+
+def dynamics_report(dyn: dict) -> list[str]:
+    rc, g = dyn["rc-grpo"], dyn["grpo"]
+    share = lambda r: f"{r['k']}/{r['n']} = {r['mean']:.2f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}]"  # noqa: E731
+    diff = lambda d: f"{d[0]:+.2f} [{d[1][0]:+.2f}, {d[1][1]:+.2f}]"  # noqa: E731
+    ent = lambda e: f"{e[0]:.3f} [{e[1]:.3f}, {e[2]:.3f}]"  # noqa: E731
+    corr = lambda r: "-" if r is None else f"{r:+.2f}"  # noqa: E731
+    late = dyn["late_steps"]
+    lines = [f"## The paper's training-dynamics claims (RCTP + RC-GRPO vs RCTP + GRPO, {rc['steps']} and "
+             f"{g['steps']} steps)", "",
+             "| | RCTP + RC-GRPO | RCTP + GRPO | RC-GRPO - GRPO (95%) |", "|---|---|---|---|",
+             f"| zero-variance groups, all steps | {share(rc['zero_var'])} | {share(g['zero_var'])} | "
+             f"{diff(dyn['zero_var_diff'])} |",
+             f"| zero-variance groups, last {late} steps | {share(rc['zero_var_late'])} | "
+             f"{share(g['zero_var_late'])} | {diff(dyn['zero_var_late_diff'])} |",
+             f"| mean abs advantage, last {late} steps | {rc['adv_abs_late']:.3f} | {g['adv_abs_late']:.3f} | |",
+             f"| entropy, last {late} steps (mean over steps, 95%) | {ent(rc['entropy_late'])} | "
+             f"{ent(g['entropy_late'])} | |",
+             "| final sampled reward under the high token | "
+             + " | ".join(fmt_rate(a["final_reward"]) if a["final_reward"] else "-" for a in (rc, g)) + " | |",
+             f"| Pearson r of entropy and reward over the steps | {corr(rc['entropy_reward_corr'])} | "
+             f"{corr(g['entropy_reward_corr'])} | |", "",
+             f"1. A lower zero-variance share for RC-GRPO: its share over all steps is "
+             f"{dyn['claim_zero_var']} (Newcombe interval of the pooled group counts; groups of one run are "
+             "not independent draws, so the interval is optimistic).",
+             f"2. Its reward at lower entropy: entropy over the last {late} steps {dyn['claim_entropy']['entropy']}"
+             f", final sampled reward {dyn['claim_entropy']['reward']} (non-overlapping 95% intervals count; "
+             "anything else is 'overlapping').", ""]
+    return lines
+
+
+def running_mean(values: list[float], window: int = 5) -> list[float]:
+    """The mean of each value and the up to `window - 1` before it."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -372,38 +479,71 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12))
+    arms = results.get("arms", {})
     ax = axes[0][0]
     for source, part in results.get("rctp", {}).items():
         st = part.get("steer", [])
         ax.plot([x["step"] for x in st], [x["steer"] for x in st], marker="o", markersize=3, label=source)
-    ax.set(title="RCTP: steer at the first divergent token", xlabel="RCTP step", ylabel="nats")
+    ax.set(title="RCTP: steer at the first divergent token", xlabel="RCTP step",
+           ylabel="log p(expert | high) - log p(expert | low) (nats)")
     ax.axhline(0, color="k", lw=0.5)
     ax.legend(fontsize=8)
     ax = axes[0][1]
-    for arm, a in results.get("arms", {}).items():
+    for arm, a in arms.items():
         for cond, ps in a["probes"].items():
             if not ps:
                 continue
-            label = f"{arm} ({cond})"
-            line, = ax.plot([p["step"] for p in ps], [p["mean"] for p in ps], marker="o", label=label,
+            line, = ax.plot([p["step"] for p in ps], [p["mean"] for p in ps], marker="o", label=f"{arm} ({cond})",
                             linestyle="-" if cond != "low" else ":")
             ax.fill_between([p["step"] for p in ps], [p["ci"][0] for p in ps], [p["ci"][1] for p in ps],
                             color=line.get_color(), alpha=0.12)
-    ax.set(title="sampled reward on fixed training prompts (95%)", xlabel="RL step", ylim=(-0.02, 1.02))
+    ax.set(title="sampled reward on fixed training prompts (95%)", xlabel="RL step",
+           ylabel="share of rollouts with reward 1", ylim=(-0.02, 1.02))
     ax.legend(fontsize=7)
-    if not results.get("arms"):
-        for a in (axes[0][1], axes[1][0], axes[1][1]):
+    if not arms:
+        for a in axes.flat[1:]:
             a.text(0.5, 0.5, "RL arms not run yet\n(--parts sft,sweep,arms)", ha="center", va="center",
                    transform=a.transAxes, color="0.4")
-    for ax, key, title in ((axes[1][0], "zero_var_frac", "zero-variance share of groups"),
-                           (axes[1][1], "entropy", "policy entropy on generated tokens")):
-        for arm, a in results.get("arms", {}).items():
+    panels = ((axes[1][0], "zero_var_frac", "zero-variance share of groups", "share of the step's groups"),
+              (axes[1][1], "entropy", "policy entropy on generated tokens", "nats per token"))
+    for ax, key, title, unit in panels:
+        for i, (arm, a) in enumerate(arms.items()):
             st = a["steps"]
-            ax.plot([x["step"] for x in st], [x.get(key, math.nan) for x in st], marker=".", label=arm)
-        ax.set(title=title + " per RL step", xlabel="RL step")
+            # a small offset per arm keeps coinciding lines (e.g. all at 0 or 1) apart
+            offset = 0.01 * (i - 1.5) if key == "zero_var_frac" else 0.0
+            ax.plot([x["step"] for x in st], [x.get(key, math.nan) + offset for x in st], marker=".", label=arm)
+        ax.set(title=title + " per RL step", xlabel="RL step", ylabel=unit)
         ax.legend(fontsize=7)
+    ax = axes[2][0]
+    for arm, a in arms.items():
+        st = [x for x in a["steps"] if "reward_mean_low" in x]
+        if st:  # 5 rollouts per token and prompt each step: a running mean makes the trend readable
+            steps = [x["step"] for x in st]
+            high, low = [x["reward_mean_high"] for x in st], [x["reward_mean_low"] for x in st]
+            line, = ax.plot(steps, running_mean(high), label=f"{arm}: high")
+            ax.plot(steps, running_mean(low), linestyle=":", color=line.get_color(), label=f"{arm}: low")
+            ax.plot(steps, running_mean([h - lo for h, lo in zip(high, low)]), linestyle="--", marker=".",
+                    color=line.get_color(), label=f"{arm}: high - low")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set(title="the step's own rollouts by token (5-step running mean)", xlabel="RL step",
+           ylabel="mean reward of the step's rollouts")
+    if any("reward_mean_low" in x for a in arms.values() for x in a["steps"]):
+        ax.legend(fontsize=7)
+    ax = axes[2][1]
+    for arm, a in arms.items():
+        st = a["steps"]
+        line, = ax.plot([x["step"] for x in st], [max(x.get("kl", 0.0), 1e-8) for x in st], marker=".",
+                        label=f"{arm}: KL")
+        ax.plot([x["step"] for x in st], [max(x.get("clip_frac", 0.0), 1e-8) for x in st], linestyle=":",
+                color=line.get_color(), label=f"{arm}: clip fraction")
+    ax.set(title="KL to the reference (k3, per token) and clip fraction", xlabel="RL step",
+           ylabel="nats per token / share of tokens (log; 0 drawn at 1e-8)", yscale="log")
+    ax.legend(fontsize=7)
+    for ax in axes.flat:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -467,6 +607,7 @@ def collect(args, parts: set[str]) -> dict:
         rows = records(args.out / name, stage)
         if rows:
             results["arms"][arm] = summarise_arm(rows, "high" if start == "rctp" else "none")
+    results["dynamics"] = dynamics(results["arms"], args.batch_size)
     return results
 
 
