@@ -431,12 +431,35 @@ def report(results: dict) -> str:
                          f"{st[-1].get('kl', 0.0):.2e} | {sum(clip) / len(clip):.3f} | {a['rollouts_played']} | "
                          f"{hl} | {a['seconds'] / 60:.0f} |")
         lines.append("")
+    if arms:
+        lines += per_step_report(arms)
     dyn = results.get("dynamics")
     if dyn:
         lines += dynamics_report(dyn)
     if results.get("minutes") is not None:
         lines.append(f"Wall time of the parts run by the last invocation: {results['minutes']} min.")
     return "\n".join(lines) + "\n"
+
+
+def per_step_report(arms: dict) -> list[str]:
+    """Every RL step of every arm: what the step's own rollouts earned and
+    what the update did."""
+    lines = ["## Per step", "", "Reward columns are the step's own rollouts (batch x G, under the token each was "
+             "conditioned on); KL is k3 per loss token; rollouts played counts dynamic sampling's redraws.", ""]
+    cell = lambda x, k, f: format(x[k], f) if k in x else "-"  # noqa: E731
+    for arm, a in arms.items():
+        lines += [f"<details><summary>{arm}</summary>", "",
+                  "| step | reward | high | low | high - low | zero-variance share | entropy | KL | clip fraction | "
+                  "rollouts played | skipped |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in a["steps"]:
+            gap = (f"{x['reward_mean_high'] - x['reward_mean_low']:+.2f}"
+                   if "reward_mean_high" in x and "reward_mean_low" in x else "-")
+            lines.append(f"| {x['step']} | {cell(x, 'reward_mean', '.2f')} | {cell(x, 'reward_mean_high', '.2f')} | "
+                         f"{cell(x, 'reward_mean_low', '.2f')} | {gap} | {cell(x, 'zero_var_frac', '.2f')} | "
+                         f"{cell(x, 'entropy', '.3f')} | {cell(x, 'kl', '.2e')} | {cell(x, 'clip_frac', '.3f')} | "
+                         f"{cell(x, 'rollouts_played', 'd')} | {cell(x, 'update_skipped', 'd')} |")
+        lines += ["", "</details>", ""]
+    return lines
 
 
 def dynamics_report(dyn: dict) -> list[str]:
