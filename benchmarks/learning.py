@@ -294,10 +294,10 @@ def dynamics(arms: dict, groups_per_step: int, late: int = 10) -> dict | None:
     if not (rc and plain and rc["steps"] and plain["steps"]):
         return None
     out = {"late_steps": late}
+    zero = lambda rows: Rate(sum(round(x["zero_var_frac"] * groups_per_step) for x in rows),  # noqa: E731
+                             groups_per_step * len(rows))
     for arm, a in (("rc-grpo", rc), ("grpo", plain)):
         st = a["steps"]
-        zero = lambda rows: Rate(sum(round(x["zero_var_frac"] * groups_per_step) for x in rows),  # noqa: E731
-                                 groups_per_step * len(rows))
         ent = [x["entropy"] for x in st[-late:]]
         pairs = [(x["entropy"], x["reward_mean"]) for x in st]
         final = a["probes"].get("high", [])
