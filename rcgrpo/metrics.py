@@ -52,6 +52,9 @@ STANDARD_METRICS = {
     "zero_var_frac": "fraction of groups whose G rewards are all equal (no gradient)",
     "rollouts_played": "rollouts the step generated (dynamic sampling's extra draws included)",
     "update_skipped": "1 when the step's gradient was exactly zero and no pass was made",
+    "engine_replays": "times the step's rollouts were played again after the engine returned a non-finite "
+                      "log-prob (weights pushed anew; rcgrpo.rollout.engine.EngineFault)",
+    "probe_engine_replays": "the same for the sampled-reward probe logged with the step",
     "steer": "RCTP: log p(expert's token | high) - log p(expert's token | low) at each pair's first divergent "
              "token, mean over pairs (nats)",
     "steer_logodds": "the same in log-odds",

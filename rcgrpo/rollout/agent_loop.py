@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from ..metrics import progress
 from ..prompts import ChatTokens, initial_messages
 from ..reward_tokens import Conditioning, DrawPerRollout, rollout_tokens
-from .engine import Engine, SamplingConfig
+from .engine import Engine, SamplingConfig, check_generations
 
 
 @dataclass
@@ -169,6 +169,7 @@ def run_episodes(
             for c in active
         ]
         outputs = engine.generate([c.r.token_ids for c in active], sampling)
+        check_generations(engine, outputs)
         for c, gens in zip(active, outputs):
             g = gens[0]
             c.consume(list(g.token_ids), g.logprobs, g.finish_reason)

@@ -6,9 +6,10 @@ the ids the trainer scores are exactly the ids the engine consumed or produced.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Iterator, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
 
@@ -69,6 +70,51 @@ def awake(engine: Engine, weights: Iterable[tuple[str, torch.Tensor]] | None = N
         yield engine
     finally:
         engine.sleep()
+
+
+class EngineFault(RuntimeError):
+    """The engine returned what a healthy engine cannot: a non-finite log-prob
+    for a token it sampled (a sampled token has probability > 0). Seen once
+    in a 30-step study run on CPU: after one weight push every reply was
+    garbage with NaN log-probs, in two awake phases running; the next push
+    was healthy again. Whatever the cause, those rollouts must not be
+    trained on or counted."""
+
+
+def check_generations(engine: Engine, outputs: Sequence[Sequence[Generation]]) -> None:
+    """Raise EngineFault if any sampled token's log-prob is NaN or infinite."""
+    for gens in outputs:
+        for g in gens:
+            bad = next((x for x in g.logprobs or () if not math.isfinite(x)), None)
+            if bad is not None:
+                raise EngineFault(f"the {engine.name} engine returned a non-finite log-prob ({bad}) for a sampled "
+                                  "token")
+
+
+T = TypeVar("T")
+
+
+def play_awake(engine: Engine, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+               play: Callable[[Engine], T], what: str, attempts: int = 3, warn: Callable[[str], None] = print,
+               replay: bool = True) -> tuple[T, int]:
+    """`play(live)` in one awake phase holding `weights()`; returns its result
+    and the number of replays. On an EngineFault the phase ends, the weights
+    are pushed again in a fresh phase and `play` runs again (its seeds make
+    the replay the same rollouts a healthy engine would have played), up to
+    `attempts` phases in all; then the fault is raised. `replay=False` (under
+    torchrun, where a replay on one rank would leave the others in the
+    weight push's collective) raises on the first fault."""
+    replays = 0
+    while True:
+        try:
+            with awake(engine, weights()) as live:
+                return play(live), replays
+        except EngineFault as exc:
+            if not replay or replays + 1 >= attempts:
+                raise EngineFault(f"{what}: {exc}, in {replays + 1} awake phase(s) with freshly pushed weights; "
+                                  "the run stops here (resume it with --resume from its last checkpoint)") from exc
+            replays += 1
+            warn(f"warning: {what}: {exc}; pushing the weights again and replaying (seeded: same rollouts)")
 
 
 # Wrappers a trainer may leave on parameter names (DDP, torch.compile, PEFT).

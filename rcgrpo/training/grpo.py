@@ -35,7 +35,7 @@ from rcgrpo.policy import TrainablePolicy
 from rcgrpo.prefix_sharing import forwarded_tokens, micro_batch_plan, micro_batches
 from rcgrpo.reward_tokens import rl_rollout_conditioning, short_name, stage_saw_reward_tokens
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
-from rcgrpo.rollout.engine import awake
+from rcgrpo.rollout.engine import play_awake
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import RLLossSettings, current_logprobs, reference_logprobs, rl_loss
@@ -492,13 +492,17 @@ class RewardProbe:
     def measure(self, step: int) -> dict[str, float]:
         """Every rank plays the same sample (its engine takes the weights: a
         collective under FSDP); rank 0 logs the result."""
-        with awake(self.engine, self.policy.rollout_weights()) as live:
-            rates = {c: sampled_reward(live, self.ctx.tokenizer, self.entries, c, self.ctx.cfg.grpo.eval_rollouts,
-                                       self.config) for c in self.conditionings}
+        def measure(live):
+            return {c: sampled_reward(live, self.ctx.tokenizer, self.entries, c, self.ctx.cfg.grpo.eval_rollouts,
+                                      self.config) for c in self.conditionings}
+
+        rates, replays = play_awake(self.engine, self.policy.rollout_weights, measure,
+                                    f"[{self.stage}] the sampled-reward probe at step {step}", warn=log_line,
+                                    replay=not distributed.active())
         if distributed.is_main():
             log_line(f"[{self.stage}] step {step}: sampled reward on {len(self.entries)} training prompts: "
                      + "; ".join(f"{c} {r}" for c, r in rates.items()))
-        return reward_metrics(rates)
+        return {**reward_metrics(rates), "probe_engine_replays": replays}
 
 
 def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
@@ -561,16 +565,21 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
                     extra_generated.extend(sum(r.sampled_mask) for r in out)
                 return out
 
+            def phase(live):
+                extra_generated.clear()  # a replay starts the phase over
+                scheduled = play(played, 0, live)
+                if not g.dynamic_sampling:
+                    return scheduled, scheduled, {}
+                kept, counts = dynamic_sampling(
+                    lambda idx, draw: play(idx, draw, live), played, scheduled, len(entries), batch_size,
+                    g.dynamic_sampling_max_draws, seed=ctx.cfg.data.seed * 1_000_003 + step)
+                return kept, scheduled, counts
+
             t0 = time.perf_counter()
             policy.eval_mode()
-            ds_counts = {}
-            with awake(engine, policy.rollout_weights()) as live:
-                rollouts = play(played, 0, live)
-                scheduled = rollouts
-                if g.dynamic_sampling:
-                    rollouts, ds_counts = dynamic_sampling(
-                        lambda idx, draw: play(idx, draw, live), played, rollouts, len(entries), batch_size,
-                        g.dynamic_sampling_max_draws, seed=ctx.cfg.data.seed * 1_000_003 + step)
+            (rollouts, scheduled, ds_counts), replays = play_awake(
+                engine, policy.rollout_weights, phase, f"[{stage}] step {step + 1}'s rollouts", warn=log_line,
+                replay=not distributed.active())
             # Dynamic sampling is single-process: its renumbered groups all lie in [lo, hi).
             rollouts = [r for r in rollouts if lo <= r.group < hi]
             t1 = time.perf_counter()
@@ -586,7 +595,7 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
             generated = sum(s.generated for s in everyone) + sum(extra_generated)
             last = log.log(
                 step + 1,
-                **group_stats(everyone), **stats, **ds_counts, policy_version=version,
+                **group_stats(everyone), **stats, **ds_counts, policy_version=version, engine_replays=replays,
                 rollouts_played=len(everyone) + len(extra_generated),
                 lr=scheduler.get_last_lr()[0], rollout_s=t1 - t0, update_s=t2 - t1,
                 tokens_per_s=stats.get("batch_tokens", 0) / max(t2 - t1, 1e-9),
