@@ -93,7 +93,41 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", choices=["gap"], help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--probe-seed", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--conditionings", default="high,low", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+# The trainer's probe seed (rcgrpo.training.grpo.RewardProbe): a probe
+# re-measured with it plays the very rollouts the trainer's probe played
+# (checked: the step-0 probe of the paper's arm, 27/64 and 7/64, re-measured
+# from its start model gave 27/64 and 7/64).
+def probe_seed(seed: int) -> int:
+    return seed * 100_003 + 50_021
+
+
+def faulty_probe_steps(rows: list[dict]) -> list[int]:
+    """Steps whose probe an engine fault may have played: the next step's
+    rollouts, played by the engine holding the same weights, came back with
+    non-finite log-probs (their agreement with the trainer is NaN). Runs
+    since engine faults are replayed (rcgrpo.rollout.engine.EngineFault)
+    have none."""
+    by_step = {r["step"]: r for r in rows}
+    return [s for s, r in by_step.items() if any(k.startswith("sampled_reward_") for k in r)
+            and not math.isfinite(by_step.get(s + 1, {}).get("logp_diff_abs_mean", 0.0))]
+
+
+def remeasure_part(args, run: Path, stage: str, step: int, conditionings: list[str]) -> Path:
+    """A suspect probe measured again from the run's checkpoint of that step,
+    in a fresh engine, with the trainer's probe seed."""
+    result = args.out / "parts" / f"probe-{run.name}-step{step}.json"
+    if not result.exists():
+        sh([sys.executable, __file__, "--worker", "gap", "--result", result, "--entries", args.entries,
+            "--gap-rollouts", args.eval_rollouts, "--seed", args.seed, "--probe-seed", probe_seed(args.seed),
+            "--conditionings", ",".join(conditionings),
+            "--model", run / "checkpoints" / stage / f"ckpt-{step:08d}" / "model"],
+           args.out / "logs" / f"{result.stem}.txt")
+    return result
 
 
 # ------------------------------------------------------------------ running parts
@@ -212,11 +246,12 @@ def worker_gap(args) -> dict:
     train_split, _ = split_train_test(load_entries(["base"]))
     entries = named_entries(train_split, args.entries.split(","), "--entries", "training entries of base")
     engine = make_engine("auto", args.model, dtype="float32", max_model_len=4096, seed=args.seed)
-    config = RolloutConfig(max_new_tokens=96, max_total_tokens=4096, temperature=1.0, seed=args.seed + 11,
+    seed = args.seed + 11 if args.probe_seed is None else args.probe_seed
+    config = RolloutConfig(max_new_tokens=96, max_total_tokens=4096, temperature=1.0, seed=seed,
                            doc_style="compact_no_response")
     t0 = time.time()
     rates = {c: sampled_reward(engine, load_tokenizer(args.model), entries, c, args.gap_rollouts, config)
-             for c in ("high", "low")}
+             for c in args.conditionings.split(",")}
     return {"model": str(args.model), "seconds": round(time.time() - t0, 1),
             **{c: {"k": r.k, "n": r.n} for c, r in rates.items()}}
 
@@ -256,13 +291,27 @@ def sweep_choice(sweep: dict) -> float | None:
     return min(finals, key=lambda lr: (-finals[lr], lr))
 
 
-def summarise_arm(rows: list[dict], conditioning: str) -> dict:
-    """An RL arm's per-step series and its training-dynamics numbers."""
+def summarise_arm(rows: list[dict], conditioning: str, remeasured: dict[int, dict] | None = None) -> dict:
+    """An RL arm's per-step series and its training-dynamics numbers.
+    `remeasured` ({step: a re-measure part's result}) replaces the probes an
+    engine fault played; those steps are listed under "remeasured", and the
+    steps whose rollouts the fault played under "engine_fault"."""
+    from rcgrpo.evaluation.stats import Rate
+
     keys = ("reward_mean", "reward_mean_high", "reward_mean_low", "zero_var_frac", "entropy", "kl", "clip_frac",
-            "rollouts_played", "adv_abs_mean", "update_skipped", "rollout_s", "update_s", "grad_norm")
+            "rollouts_played", "adv_abs_mean", "update_skipped", "rollout_s", "update_s", "grad_norm",
+            "engine_replays", "probe_engine_replays")
     steps = [{k: r[k] for k in ("step", *keys) if k in r} for r in rows if r["step"] > 0 and "reward_mean" in r]
     mean = lambda k: (sum(s[k] for s in steps if k in s) / max(1, sum(k in s for s in steps)))  # noqa: E731
-    return {"steps": steps, "probes": {c: probes(rows, c) for c in ("high", "low", "none") if probes(rows, c)},
+    curves = {c: probes(rows, c) for c in ("high", "low", "none") if probes(rows, c)}
+    for step, part in (remeasured or {}).items():
+        for c, ps in curves.items():
+            for p in ps:
+                if p["step"] == step and c in part:
+                    r = Rate(part[c]["k"], part[c]["n"])
+                    p.update(mean=r.mean, ci=list(r.ci), n=r.n, played_by_fault=p["mean"])
+    faults = [r["step"] for r in rows if not math.isfinite(r.get("logp_diff_abs_mean", 0.0))]
+    return {"steps": steps, "probes": curves, "remeasured": sorted(remeasured or {}), "engine_fault": faults,
             "conditioning": conditioning, "zero_var_mean": mean("zero_var_frac"), "entropy_mean": mean("entropy"),
             "rollouts_played": sum(s.get("rollouts_played", 0) for s in steps),
             "seconds": sum(s.get("rollout_s", 0) + s.get("update_s", 0) for s in steps)}
@@ -412,8 +461,16 @@ def report(results: dict) -> str:
                 k = lambda p: Rate(round(p["mean"] * p["n"]), p["n"])  # noqa: E731
                 d, (lo, hi) = difference(k(last), k(first))
                 change = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-            lines.append(f"| {arm} | " + " | ".join(fmt_rate(ps[x]) if x in ps else "-" for x in points)
-                         + f" | {change} |")
+            lines.append(f"| {arm} | " + " | ".join(fmt_rate(ps[x]) + (" ‡" if "played_by_fault" in ps[x] else "")
+                                                     if x in ps else "-" for x in points) + f" | {change} |")
+        for arm, a in arms.items():
+            for cond, ps in a["probes"].items():
+                for p in ps:
+                    if "played_by_fault" in p:
+                        lines += ["", f"‡ {arm}, step {p['step']} ({cond}): re-measured from the run's step-"
+                                  f"{p['step']} checkpoint in a fresh engine with the probe's seed. The trainer's "
+                                  f"probe there read {p['played_by_fault']:.3f}, played by a faulty engine: the "
+                                  "next step's rollouts, on the same weights, came back with NaN log-probs."]
         lines += ["", "Training dynamics (means over the steps; per-step rewards are the steps' own rollouts):", "",
                   "| arm | zero-variance share | entropy | KL at the end | clip fraction | rollouts played | "
                   "reward high / low (RC-GRPO: high - low) | minutes |", "|---|---|---|---|---|---|---|---|"]
@@ -457,7 +514,8 @@ def per_step_report(arms: dict) -> list[str]:
             lines.append(f"| {x['step']} | {cell(x, 'reward_mean', '.2f')} | {cell(x, 'reward_mean_high', '.2f')} | "
                          f"{cell(x, 'reward_mean_low', '.2f')} | {gap} | {cell(x, 'zero_var_frac', '.2f')} | "
                          f"{cell(x, 'entropy', '.3f')} | {cell(x, 'kl', '.2e')} | {cell(x, 'clip_frac', '.3f')} | "
-                         f"{cell(x, 'rollouts_played', 'd')} | {cell(x, 'update_skipped', 'd')} |")
+                         f"{cell(x, 'rollouts_played', 'd')} | {cell(x, 'update_skipped', 'd')} |"
+                         + (" engine fault: NaN log-probs |" if x["step"] in a.get("engine_fault", ()) else ""))
         lines += ["", "</details>", ""]
     return lines
 
@@ -629,7 +687,15 @@ def collect(args, parts: set[str]) -> dict:
             train(args, name, stage, rl_flags(args, arm, start_run, results["lr"], args.steps, args.eval_every))
         rows = records(args.out / name, stage)
         if rows:
-            results["arms"][arm] = summarise_arm(rows, "high" if start == "rctp" else "none")
+            conditionings = ["high", "low"] if start == "rctp" else ["none"]
+            remeasured = {}
+            for step in faulty_probe_steps(rows):
+                part = args.out / "parts" / f"probe-{name}-step{step}.json"
+                if "arms" in parts and done(args, name, stage):
+                    remeasure_part(args, args.out / name, stage, step, conditionings)
+                if part.exists():
+                    remeasured[step] = json.loads(part.read_text())
+            results["arms"][arm] = summarise_arm(rows, conditionings[0], remeasured)
     results["dynamics"] = dynamics(results["arms"], args.batch_size)
     return results
 

@@ -40,3 +40,22 @@ def test_equal_arms_are_not_told_apart_and_one_arm_is_not_compared():
 
 def test_running_mean():
     assert learning.running_mean([1, 0, 1, 0, 1, 0], window=2) == [1, 0.5, 0.5, 0.5, 0.5, 0.5]
+
+
+def test_a_probe_the_engine_faulted_on_is_found_and_replaced_by_its_re_measure():
+    """The probe at step 2 was played by the engine whose next rollouts (step
+    3, same weights) came back with NaN log-probs; the one at step 4 was not."""
+    nan = float("nan")
+    rows = [{"step": 0, "sampled_reward_high": 0.5, "sampled_reward_high_lo": 0.4, "sampled_reward_high_hi": 0.6,
+             "sampled_reward_high_n": 64}]
+    for s, diff in ((1, 0.0), (2, 0.0), (3, nan), (4, 0.0), (5, 0.0)):
+        rows.append({"step": s, "reward_mean": 0.5, "zero_var_frac": 0.0, "entropy": 0.3, "logp_diff_abs_mean": diff})
+    for s in (2, 4):
+        rows[s].update(sampled_reward_high=0.05, sampled_reward_high_lo=0.0, sampled_reward_high_hi=0.1,
+                       sampled_reward_high_n=64)
+    assert learning.faulty_probe_steps(rows) == [2]
+    arm = learning.summarise_arm(rows, "high", {2: {"high": {"k": 32, "n": 64}}})
+    probe = {p["step"]: p for p in arm["probes"]["high"]}
+    assert probe[2]["mean"] == 0.5 and probe[2]["played_by_fault"] == 0.05 and probe[2]["n"] == 64
+    assert probe[4]["mean"] == 0.05 and "played_by_fault" not in probe[4]
+    assert arm["remeasured"] == [2] and arm["engine_fault"] == [3]
