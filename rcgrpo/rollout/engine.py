@@ -74,11 +74,10 @@ def awake(engine: Engine, weights: Iterable[tuple[str, torch.Tensor]] | None = N
 
 class EngineFault(RuntimeError):
     """The engine returned what a healthy engine cannot: a non-finite log-prob
-    for a token it sampled (a sampled token has probability > 0). Seen once
-    in a 30-step study run on CPU: after one weight push every reply was
-    garbage with NaN log-probs, in two awake phases running; the next push
-    was healthy again. Whatever the cause, those rollouts must not be
-    trained on or counted."""
+    for a token it sampled (a sampled token has probability > 0). Seen in
+    the learning study on CPU: whole phases of garbage replies with NaN
+    log-probs, cause unknown (README.md, "The rollout engine between
+    phases"). Such rollouts must never be trained on or counted."""
 
 
 def check_generations(engine: Engine, outputs: Sequence[Sequence[Generation]]) -> None:

@@ -492,11 +492,11 @@ class RewardProbe:
     def measure(self, step: int) -> dict[str, float]:
         """Every rank plays the same sample (its engine takes the weights: a
         collective under FSDP); rank 0 logs the result."""
-        def measure(live):
+        def play(live):
             return {c: sampled_reward(live, self.ctx.tokenizer, self.entries, c, self.ctx.cfg.grpo.eval_rollouts,
                                       self.config) for c in self.conditionings}
 
-        rates, replays = play_awake(self.engine, self.policy.rollout_weights, measure,
+        rates, replays = play_awake(self.engine, self.policy.rollout_weights, play,
                                     f"[{self.stage}] the sampled-reward probe at step {step}", warn=log_line,
                                     replay=not distributed.active())
         if distributed.is_main():
