@@ -514,8 +514,9 @@ def per_step_report(arms: dict) -> list[str]:
             lines.append(f"| {x['step']} | {cell(x, 'reward_mean', '.2f')} | {cell(x, 'reward_mean_high', '.2f')} | "
                          f"{cell(x, 'reward_mean_low', '.2f')} | {gap} | {cell(x, 'zero_var_frac', '.2f')} | "
                          f"{cell(x, 'entropy', '.3f')} | {cell(x, 'kl', '.2e')} | {cell(x, 'clip_frac', '.3f')} | "
-                         f"{cell(x, 'rollouts_played', 'd')} | {cell(x, 'update_skipped', 'd')} |"
-                         + (" engine fault: NaN log-probs |" if x["step"] in a.get("engine_fault", ()) else ""))
+                         f"{cell(x, 'rollouts_played', 'd')} | {cell(x, 'update_skipped', 'd')} |")
+            if x["step"] in a.get("engine_fault", ()):  # mark the step's own cell
+                lines[-1] = lines[-1].replace(f"| {x['step']} |", f"| {x['step']} (engine fault: NaN log-probs) |", 1)
         lines += ["", "</details>", ""]
     return lines
 
