@@ -98,29 +98,35 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# The trainer's probe seed (rcgrpo.training.grpo.RewardProbe): a probe
-# re-measured with it plays the very rollouts the trainer's probe played
-# (checked: the step-0 probe of the paper's arm, 27/64 and 7/64, re-measured
-# from its start model gave 27/64 and 7/64).
-def probe_seed(seed: int) -> int:
-    return seed * 100_003 + 50_021
-
-
 def faulty_probe_steps(rows: list[dict]) -> list[int]:
     """Steps whose probe an engine fault may have played: the next step's
     rollouts, played by the engine holding the same weights, came back with
     non-finite log-probs (their agreement with the trainer is NaN). Runs
     since engine faults are replayed (rcgrpo.rollout.engine.EngineFault)
     have none."""
-    by_step = {r["step"]: r for r in rows}
-    return [s for s, r in by_step.items() if any(k.startswith("sampled_reward_") for k in r)
-            and not math.isfinite(by_step.get(s + 1, {}).get("logp_diff_abs_mean", 0.0))]
+    faults = set(engine_fault_steps(rows))
+    return [r["step"] for r in rows if r["step"] + 1 in faults and any(k.startswith("sampled_reward_") for k in r)]
+
+
+def engine_fault_steps(rows: list[dict]) -> list[int]:
+    """Steps whose rollouts came back with non-finite log-probs (their
+    agreement with the trainer is NaN)."""
+    return [r["step"] for r in rows if not math.isfinite(r.get("logp_diff_abs_mean", 0.0))]
+
+
+def remeasured_probe(args, run: Path, step: int) -> Path:
+    """Where the re-measure of a run's probe at `step` is kept."""
+    return args.out / "parts" / f"probe-{run.name}-step{step}.json"
 
 
 def remeasure_part(args, run: Path, stage: str, step: int, conditionings: list[str]) -> Path:
     """A suspect probe measured again from the run's checkpoint of that step,
-    in a fresh engine, with the trainer's probe seed."""
-    result = args.out / "parts" / f"probe-{run.name}-step{step}.json"
+    in a fresh engine, with the trainer's probe seed (the step-0 probe of the
+    paper's arm, 27/64 and 7/64, re-measured from its start model gave 27/64
+    and 7/64)."""
+    from rcgrpo.training.grpo import probe_seed
+
+    result = remeasured_probe(args, run, step)
     if not result.exists():
         sh([sys.executable, __file__, "--worker", "gap", "--result", result, "--entries", args.entries,
             "--gap-rollouts", args.eval_rollouts, "--seed", args.seed, "--probe-seed", probe_seed(args.seed),
@@ -310,8 +316,8 @@ def summarise_arm(rows: list[dict], conditioning: str, remeasured: dict[int, dic
                 if p["step"] == step and c in part:
                     r = Rate(part[c]["k"], part[c]["n"])
                     p.update(mean=r.mean, ci=list(r.ci), n=r.n, played_by_fault=p["mean"])
-    faults = [r["step"] for r in rows if not math.isfinite(r.get("logp_diff_abs_mean", 0.0))]
-    return {"steps": steps, "probes": curves, "remeasured": sorted(remeasured or {}), "engine_fault": faults,
+    return {"steps": steps, "probes": curves, "remeasured": sorted(remeasured or {}),
+            "engine_fault": engine_fault_steps(rows),
             "conditioning": conditioning, "zero_var_mean": mean("zero_var_frac"), "entropy_mean": mean("entropy"),
             "rollouts_played": sum(s.get("rollouts_played", 0) for s in steps),
             "seconds": sum(s.get("rollout_s", 0) + s.get("update_s", 0) for s in steps)}
@@ -691,7 +697,7 @@ def collect(args, parts: set[str]) -> dict:
             conditionings = ["high", "low"] if start == "rctp" else ["none"]
             remeasured = {}
             for step in faulty_probe_steps(rows):
-                part = args.out / "parts" / f"probe-{name}-step{step}.json"
+                part = remeasured_probe(args, args.out / name, step)
                 if "arms" in parts and done(args, name, stage):
                     remeasure_part(args, args.out / name, stage, step, conditionings)
                 if part.exists():

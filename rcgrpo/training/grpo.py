@@ -467,6 +467,13 @@ def dynamic_sampling(play, first_prompts: Sequence[int], first_rollouts, num_ent
     return rollouts, counts
 
 
+def probe_seed(data_seed: int) -> int:
+    """The sampled-reward probe's rollout seed: apart from every step's
+    rollout seeds (data_seed * 100_003 + step). A probe replayed elsewhere
+    with it (benchmarks/learning.py) plays the very rollouts the trainer's did."""
+    return data_seed * 100_003 + 50_021
+
+
 class RewardProbe:
     """The RL stage's learning curve: sampled reward on a fixed sample of its
     training prompts (rcgrpo.evaluation.sampled_reward), measured with the
@@ -485,8 +492,7 @@ class RewardProbe:
         self.conditionings = ("high", "low") if stage_saw_reward_tokens(stage, finetune_stage) else ("none",)
         self.config = RolloutConfig(max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
                                     temperature=g.temperature, top_p=g.top_p,
-                                    # apart from every step's rollout seeds (seed * 100_003 + step)
-                                    seed=ctx.cfg.data.seed * 100_003 + 50_021,
+                                    seed=probe_seed(ctx.cfg.data.seed),
                                     doc_style=ctx.cfg.data.doc_style, progress=False)
 
     def measure(self, step: int) -> dict[str, float]:
