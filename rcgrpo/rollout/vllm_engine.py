@@ -15,6 +15,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from .engine import Generation, SamplingConfig, per_prompt, strip_wrapper_prefixes
+from .host_pages import discard
 
 
 def hf_to_vllm_name(name: str) -> str:
@@ -82,7 +83,7 @@ class VLLMEngine:
         self.supports_sleep = bool(enable_sleep_mode)
         self._asleep = False
         self._on_gpu = on_gpu
-        self._released_kv: list = []  # CPU sleep: (storage, bytes) of the KV cache given back
+        self.released_kv_bytes = 0  # CPU sleep: KV cache memory returned to the OS by the last sleep()
         if not on_gpu:
             # vLLM's CPU runner crashes ("CPU Generator does not use offset")
             # when a seeded request is prefilled in chunks: it rewinds the
@@ -274,16 +275,19 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Give the engine's memory back until `wake_up()`: on CUDA vLLM's
         sleep mode (level 1: weights offloaded, KV cache discarded); on CPU,
-        where vLLM has no sleep mode, the KV cache's memory is released (its
-        storages shrunk to nothing) and the weights stay."""
+        where vLLM has no sleep mode, the KV cache's pages are returned to the
+        OS in place (`host_pages.discard`) and the weights stay. The cache must
+        read as zero when it comes back, as vLLM allocated it: its CPU
+        attention weights unwritten slots by 0, so a NaN left in one poisons
+        the replies. Freeing and re-allocating the storage gave no such
+        guarantee (the allocator may return memory another tensor freed) and
+        was the open engine fault of the learning study."""
         if self._asleep:
             return
         if self.supports_sleep:
             self.llm.sleep(level=1)
         elif not self._on_gpu:
-            self._released_kv = [(st, st.nbytes()) for st in self._kv_storages()]
-            for storage, _ in self._released_kv:
-                storage.resize_(0)
+            self.released_kv_bytes = sum(discard(st) for st in self._kv_storages())
         else:
             return
         self._asleep = True
@@ -294,11 +298,8 @@ class VLLMEngine:
         if self.supports_sleep:
             self.llm.wake_up()
         else:
-            # Fresh pages, zero and only made resident as blocks are written:
-            # the cache costs what the rollouts use. Nothing cached survives.
-            for storage, nbytes in self._released_kv:
-                storage.resize_(nbytes)
-            self._released_kv = []
+            # Zero pages, made resident only as blocks are written: the cache
+            # costs what the rollouts use. Nothing cached survives.
             self.llm.reset_prefix_cache()
         self._asleep = False
 

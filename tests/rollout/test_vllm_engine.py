@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rcgrpo.rollout.engine import SamplingConfig
+from tests.required import require
 
 pytestmark = pytest.mark.slow
 
@@ -44,29 +45,66 @@ def test_n_and_per_request_seed(vllm_engine, chat_ids):
     assert [g.token_ids for g in c] != [g.token_ids for g in a]
 
 
-def test_sleep_on_cpu_releases_the_kv_cache_and_wake_up_restores_generation(vllm_engine, chat_ids):
-    """vLLM has no sleep mode on CPU: the engine's own sleep gives the KV
-    cache's memory back (the update phase runs without it) and keeps the
-    weights; after wake_up the same seeded request samples the same tokens."""
+def test_sleep_on_cpu_returns_the_kv_cache_and_wake_up_gives_it_back_zeroed(vllm_engine, chat_ids):
+    """vLLM has no sleep mode on CPU: the engine's own sleep returns the KV
+    cache's pages to the OS (the update phase runs without them) and keeps
+    the weights; after wake_up the cache reads as zero whatever it held (here
+    NaN in every byte, as stale memory may) and the same seeded request
+    samples the same tokens."""
+    import psutil
+
+    from rcgrpo.rollout.host_pages import as_bytes
+
     prompt = chat_ids("Name a colour.")
     sampling = SamplingConfig(temperature=1.0, max_tokens=16, n=2, seed=5, logprobs=True)
     before = vllm_engine.generate([prompt], sampling)[0]
     storages = vllm_engine._kv_storages()
-    sizes = [st.nbytes() for st in storages]
-    assert sum(sizes) >= 1 << 30
+    size = sum(st.nbytes() for st in storages)
+    pointers = [st.data_ptr() for st in storages]
+    assert size >= 1 << 30
+    for st in storages:
+        as_bytes(st).fill_(0xFF)  # every page resident, every float NaN
+    rss = psutil.Process().memory_info().rss
     vllm_engine.sleep()
     try:
-        assert all(st.nbytes() == 0 for st in storages)
+        assert vllm_engine.released_kv_bytes >= size - (64 << 10)  # all but the partial pages at the ends
+        assert rss - psutil.Process().memory_info().rss >= 0.9 * size
         with pytest.raises(RuntimeError, match="asleep"):
             vllm_engine.generate([prompt], sampling)
         vllm_engine.sleep()  # twice is once
     finally:
         vllm_engine.wake_up()
-    assert [st.nbytes() for st in storages] == sizes
+    assert [st.data_ptr() for st in vllm_engine._kv_storages()] == pointers  # the buffer vLLM holds, kept
+    assert all(int(as_bytes(st).count_nonzero()) == 0 for st in storages)
     after = vllm_engine.generate([prompt], sampling)[0]
     assert [g.token_ids for g in after] == [g.token_ids for g in before]
     for a, b in zip(after, before):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
+def test_wake_up_never_hands_the_kv_cache_memory_another_tensor_freed(model_dir):
+    """The learning study's engine fault: every reply of a phase garbage, with
+    NaN log-probs, sometimes through three pushes of the same weights. The
+    KV cache came back from sleep as a new allocation, and glibc serves one
+    from freed heap memory when it has a big enough chunk, with its old
+    content; NaN in an unwritten slot of a block reaches every reply. A
+    process whose allocator is made to do that every time
+    (`kv_reuse_worker.py`) must find the cache zero and the replies those
+    of an unpoisoned engine, cycle after cycle."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    require("vllm", "cpu")
+    env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40), VLLM_CPU_KVCACHE_SPACE="1")
+    worker = Path(__file__).with_name("kv_reuse_worker.py")
+    done = subprocess.run([sys.executable, str(worker), str(model_dir)], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    cycles = json.loads(done.stdout.strip().splitlines()[-1])
+    assert cycles == [{"nan_in_kv": 0, "finite": True, "same_tokens": True}] * 2
 
 
 def test_weight_swap_matches_hf_on_the_same_perturbed_weights(vllm_engine, policy, chat_ids):
