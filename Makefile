@@ -22,10 +22,13 @@ export BFCL_PROJECT_ROOT ?= $(CURDIR)/.cache/bfcl
 
 install: $(STAMP)
 
+# --no-compile: pip would byte-compile every module of vllm, torch and
+# transformers up front; Python compiles the ones a run imports as it imports them.
+
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
-	$(BIN)/python -m pip install -q --no-deps $(NODEPS)
+	$(BIN)/python -m pip install -q --no-compile -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q --no-compile --no-deps $(NODEPS)
 	-$(BIN)/python -m pip uninstall -y -q $(CLASHING) 2>/dev/null
 	rm -f $(VENV)/.installed-*
 	touch $@
