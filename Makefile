@@ -24,7 +24,6 @@ install: $(STAMP)
 
 # --no-compile: pip would byte-compile every module of vllm, torch and
 # transformers up front; Python compiles the ones a run imports as it imports them.
-
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --no-compile -e ".[$(EXTRAS)]"
