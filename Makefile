@@ -36,7 +36,7 @@ train: install
 	$(BIN)/python -m rcgrpo.train --fused
 
 test: install
-	$(BIN)/python -m pytest tests/ -q
+	$(BIN)/python -m pytest tests/ -q --durations=25
 
 # The inner loop: the suite without tests marked slow (model loads, vLLM,
 # torchrun, anything over ~2 s on 2 cores); `make test` still runs them all.
