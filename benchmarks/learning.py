@@ -686,6 +686,11 @@ def collect(args, parts: set[str]) -> dict:
         results["sweep"][lr] = probes(records(args.out / name, "rc-grpo"), "high")
     results["lr"] = sweep_choice(results["sweep"])
     results["arms"] = {}
+    # An arm whose run folder is not here (runs/ is git-ignored: a clone holds
+    # only the folders committed with the study) keeps the figures of the
+    # report it was measured for, so a rewrite of the report loses nothing.
+    report_path = args.out / "learning.json"
+    earlier = json.loads(report_path.read_text()).get("arms", {}) if report_path.exists() else {}
     for arm, (start, stage) in ARMS.items():
         name = f"arm-{arm.replace('+', '_')}"
         start_run = rctp_start if start == "rctp" else args.out / "sft"
@@ -703,6 +708,8 @@ def collect(args, parts: set[str]) -> dict:
                 if part.exists():
                     remeasured[step] = json.loads(part.read_text())
             results["arms"][arm] = summarise_arm(rows, conditionings[0], remeasured)
+        elif arm in earlier:
+            results["arms"][arm] = earlier[arm]
     results["dynamics"] = dynamics(results["arms"], args.batch_size)
     return results
 

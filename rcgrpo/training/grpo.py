@@ -273,11 +273,19 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
     # The keys every rank's losses report, set before the passes: a rank with
     # padding passes only must reduce the same keys as the others.
     sums = dict.fromkeys(("loss", "clip_frac", "entropy") + (("kl",) if settings.beta > 0 else ()), 0.0)
+    # Until the first optimizer step the policy is its reference, computing
+    # exactly like it (tests/training/test_precision.py): the reference's
+    # log-probs are then the policy's own, read off this pass's hidden states
+    # by one LM-head pass over the loss rows instead of a second decoder pass.
+    own_reference = settings.beta > 0 and policy.equals_reference
     for micro, padding in lockstep(micros, ctx.device):
-        if settings.beta > 0:
+        if settings.beta > 0 and not own_reference:
             micro = dataclasses.replace(
                 micro, ref_logp=reference_logprobs(policy, micro, fused, settings.temperature))
         hidden = policy.lm.hidden_states(micro)
+        if own_reference:
+            micro = dataclasses.replace(
+                micro, ref_logp=current_logprobs(policy.lm, micro, fused, settings.temperature, hidden))
         weights = None
         if not padding and micro.engine_logp is not None and (tis_cap is not None or agreement is not None):
             old = micro.old_logp

@@ -269,6 +269,36 @@ def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_f
     assert 0 < float(clipped.float().mean()) < 1
 
 
+def test_the_first_update_reads_the_reference_off_the_policys_own_pass(tmp_path, tokenizer, tiny_folder, sampled):
+    """Before its first optimizer step the policy is its reference: that
+    update takes the reference's log-probs from the policy's own pass (no
+    reference forward) and lands exactly where the update with a reference
+    pass lands. From the second step on the reference is forwarded."""
+    ctx = _ctx(tmp_path, tokenizer, tiny_folder)
+    trajectories = to_trajectories(sampled)
+    after, passes, stats = {}, {}, {}
+    for own in (True, False):
+        policy = TrainablePolicy.load(tiny_folder, parse_args([], check_files=False).model, torch.device("cpu"),
+                                      reference=True)
+        assert policy.equals_reference
+        policy.equals_reference = own  # False: the same weights, scored as if they had moved
+        calls = []
+        forward = policy.reference
+        policy.reference = lambda forward=forward, calls=calls: (calls.append(1), forward())[1]
+        opt, sched = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
+        policy.train_mode()
+        stats[own] = rl_step(ctx, policy, opt, sched, trajectories, RLLossSettings(beta=0.1), UpdateSettings())
+        passes[own] = len(calls)
+        after[own] = [p.detach().clone() for p in policy.trainable_parameters()]
+        if own:
+            second = rl_step(ctx, policy, opt, sched, trajectories, RLLossSettings(beta=0.1), UpdateSettings(), 1)
+            assert len(calls) > 0 and second["kl"] > 0
+    assert passes == {True: 0, False: passes[False]} and passes[False] > 0
+    assert stats[True]["kl"] == stats[False]["kl"] == 0.0
+    assert stats[True]["loss"] == stats[False]["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(after[True], after[False]))
+
+
 def test_mini_batches_take_one_step_each(tmp_path, tokenizer, tiny_folder, sampled):
     ctx = _ctx(tmp_path, tokenizer, tiny_folder)
     policy = _fresh(tiny_folder)
