@@ -68,7 +68,8 @@ def test_every_difference_is_listed_at_once(tmp_path):
 
 def test_resume_safe_changes_are_allowed_and_recorded(tmp_path):
     run_dir = started_run(tmp_path)
-    cfg = resumed(tmp_path, "--run.checkpoint_every", "7", "--eval.subset", "1", "--run.tensorboard", "false",
+    subset = str(PRESETS["cpu-small"]["eval.subset"] + 1)  # any value but the saved one
+    cfg = resumed(tmp_path, "--run.checkpoint_every", "7", "--eval.subset", subset, "--run.tensorboard", "false",
                   "--device", "cpu", "--stages", "rctp,eval")
     got = {d.key for d in check_resume(cfg)}
     assert got == {"run.checkpoint_every", "eval.subset", "run.tensorboard", "run.device", "run.stages"}

@@ -72,6 +72,7 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
         model = policy.model
         with torch.no_grad():  # a policy unlike its reference: the KL term is not zero
             model.model.norm.weight.mul_(1.05)
+        policy.equals_reference = False  # weights changed outside the optimizer (TrainablePolicy says so)
         rows = [json.loads(line) for line in Path(rollouts).read_text().splitlines()]
         groups = sorted({r["group"] for r in rows})
         lo, hi = distributed.rank_slice(groups)
