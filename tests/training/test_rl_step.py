@@ -269,6 +269,7 @@ def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_f
     assert 0 < float(clipped.float().mean()) < 1
 
 
+@pytest.mark.slow  # three RL updates of the tiny model with a reference (~8 s)
 def test_the_first_update_reads_the_reference_off_the_policys_own_pass(tmp_path, tokenizer, tiny_folder, sampled):
     """Before its first optimizer step the policy is its reference: that
     update takes the reference's log-probs from the policy's own pass (no
