@@ -43,24 +43,29 @@ __all__ = ["write_report", "plot_metrics", "eval_table_markdown", "learning_summ
 
 EVAL_FILE = "eval.json"
 REPORT_FILE = "report.md"
-# One figure per headline quantity; the series that share an axis.
+# One figure per headline quantity: its title, the unit on its y axis, and
+# the series that share the axis.
 FIGURES = {
-    "reward": ("mean reward", ["reward_mean", "reward_mean_high", "reward_mean_low"]),
+    "reward": ("mean reward", "reward per rollout (0 or 1)", ["reward_mean", "reward_mean_high", "reward_mean_low"]),
     # The learning curve: one fixed sample of training prompts, 95% interval shaded.
-    "sampled_reward": ("sampled reward on fixed training prompts (95% interval)",
+    "sampled_reward": ("sampled reward on fixed training prompts (95% interval)", "share of rollouts with reward 1",
                        ["sampled_reward_high", "sampled_reward_low", "sampled_reward_none"]),
-    "steer": ("RCTP: steer at the first divergent token (nats)", ["steer", "steer_logodds"]),
-    "p_expert": ("RCTP: p(expert's token) at the first divergent token", ["p_expert_high", "p_expert_low"]),
-    "zero_var_frac": ("fraction of zero-variance groups", ["zero_var_frac"]),
-    "entropy": ("policy entropy", ["entropy"]),
-    "kl": ("KL to reference", ["kl"]),
+    "steer": ("RCTP: steer at the first divergent token", "nats", ["steer", "steer_logodds"]),
+    "p_expert": ("RCTP: p(expert's token) at the first divergent token", "probability",
+                 ["p_expert_high", "p_expert_low"]),
+    "zero_var_frac": ("fraction of zero-variance groups", "share of the step's groups", ["zero_var_frac"]),
+    "entropy": ("policy entropy", "nats per generated token", ["entropy"]),
+    "kl": ("KL to reference", "nats per generated token (k3)", ["kl"]),
     # Rollout-trainer agreement: how far the engine's sampling log-probs are
     # from the trainer's pre-update ones over the sampled tokens.
-    "logp_agreement": ("engine vs trainer log-probs (nats)", ["logp_diff_abs_mean", "seq_log_ratio_mean",
-                                                                "seq_log_ratio_abs_max"]),
-    "logp_agreement_share": ("share of tokens with |engine - trainer| > 0.1", ["logp_diff_over_0.1_frac"]),
-    "clip_frac": ("clipped share of tokens", ["clip_frac", "clip_frac_pass1", "clip_frac_pass2"]),
-    "dynamic_sampling": ("dynamic sampling per step", ["ds_prompts_drawn", "ds_groups_kept", "ds_groups_dropped"]),
+    "logp_agreement": ("engine vs trainer log-probs", "nats",
+                       ["logp_diff_abs_mean", "seq_log_ratio_mean", "seq_log_ratio_abs_max"]),
+    "logp_agreement_share": ("share of tokens with |engine - trainer| > 0.1", "share of sampled tokens",
+                             ["logp_diff_over_0.1_frac"]),
+    "clip_frac": ("clipped share of tokens", "share of loss tokens", ["clip_frac", "clip_frac_pass1",
+                                                                      "clip_frac_pass2"]),
+    "dynamic_sampling": ("dynamic sampling per step", "count",
+                         ["ds_prompts_drawn", "ds_groups_kept", "ds_groups_dropped"]),
 }
 SERIES_LABEL = {"reward_mean": "all rollouts", "reward_mean_high": HIGH_REWARD, "reward_mean_low": LOW_REWARD,
                 "sampled_reward_high": HIGH_REWARD, "sampled_reward_low": LOW_REWARD,
@@ -112,6 +117,7 @@ def plot_metrics(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
 
     matplotlib.use("Agg")  # no display on servers; must precede pyplot
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir = Path(out_dir)
     written = []
@@ -128,7 +134,7 @@ def plot_metrics(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
                 ax.fill_between(band[0][0], band[0][1], band[1][1], color=line.get_color(), alpha=0.2)
         return bool(series)
 
-    for name, (title, keys) in FIGURES.items():
+    for name, (title, unit, keys) in FIGURES.items():
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
         drew = False
         for key in keys:
@@ -136,6 +142,8 @@ def plot_metrics(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
         if drew:
             ax.set_title(title)
             ax.set_xlabel("step")
+            ax.set_ylabel(unit)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
             ax.grid(alpha=0.3)
             if name in ("reward", "zero_var_frac", "sampled_reward", "p_expert"):
                 ax.set_ylim(-0.05, 1.05)  # both live in [0, 1]: keep runs comparable
