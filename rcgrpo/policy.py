@@ -161,9 +161,11 @@ class TrainablePolicy:
         self._reference_lm = None if reference is None else self._packed_lm(reference, trains=False)
         # True while the weights are exactly those the reference was built
         # from, so that the KL term has no gradient (RL's zero-variance steps
-        # are then skipped). `load` sets it; an optimizer step
-        # (training.optimizer.clip_and_step) or a restored checkpoint clears
-        # it, and so must a caller that changes the weights any other way.
+        # are then skipped) and the reference's log-probs are the policy's own
+        # (the update then forwards no reference). `load` sets it; an optimizer
+        # step (training.optimizer.clip_and_step) or a restored checkpoint
+        # clears it, and so must a caller that changes the weights any other
+        # way: a stale True would score KL as 0.
         self.equals_reference = False
         self.trainable_parameters()  # fails now, not at the first step, if a master weight is not fp32
 
