@@ -640,9 +640,10 @@ def plot(results: dict, path: Path) -> None:
 # ------------------------------------------------------------------ the study
 
 
-def collect(args, parts: set[str]) -> dict:
+def collect(args, parts: set[str], earlier_arms: dict) -> dict:
     """Run the named parts (those finished are read, not re-run) and gather
-    every finished part's results."""
+    every finished part's results. `earlier_arms` (the arms of the report
+    being rewritten) stand in for arms whose run folders are not here."""
     results: dict = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                   if k not in ("worker", "model", "result", "report_only")}}
     results["rctp"] = {}
@@ -686,11 +687,6 @@ def collect(args, parts: set[str]) -> dict:
         results["sweep"][lr] = probes(records(args.out / name, "rc-grpo"), "high")
     results["lr"] = sweep_choice(results["sweep"])
     results["arms"] = {}
-    # An arm whose run folder is not here (runs/ is git-ignored: a clone holds
-    # only the folders committed with the study) keeps the figures of the
-    # report it was measured for, so a rewrite of the report loses nothing.
-    report_path = args.out / "learning.json"
-    earlier = json.loads(report_path.read_text()).get("arms", {}) if report_path.exists() else {}
     for arm, (start, stage) in ARMS.items():
         name = f"arm-{arm.replace('+', '_')}"
         start_run = rctp_start if start == "rctp" else args.out / "sft"
@@ -708,8 +704,8 @@ def collect(args, parts: set[str]) -> dict:
                 if part.exists():
                     remeasured[step] = json.loads(part.read_text())
             results["arms"][arm] = summarise_arm(rows, conditionings[0], remeasured)
-        elif arm in earlier:
-            results["arms"][arm] = earlier[arm]
+        elif arm in earlier_arms:
+            results["arms"][arm] = earlier_arms[arm]
     results["dynamics"] = dynamics(results["arms"], args.batch_size)
     return results
 
@@ -727,13 +723,18 @@ def main(argv=None) -> int:
         raise SystemExit(f"--parts: unknown {sorted(unknown)}; known: {list(PARTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    # The report being rewritten: an arm whose run folder is not here (runs/
+    # is git-ignored: a clone holds only the folders committed with the
+    # study) keeps its figures from it, so a rewrite loses nothing.
+    report_path = args.out / "learning.json"
+    earlier = json.loads(report_path.read_text()) if report_path.exists() else {}
     t0 = time.time()
-    results = collect(args, parts)
+    results = collect(args, parts, earlier.get("arms", {}))
     if parts:
         results["minutes"] = round((time.time() - t0) / 60, 1)
-    elif (args.out / "learning.json").exists():
-        results["minutes"] = json.loads((args.out / "learning.json").read_text()).get("minutes")
-    (args.out / "learning.json").write_text(json.dumps(results, indent=1))
+    elif earlier:
+        results["minutes"] = earlier.get("minutes")
+    report_path.write_text(json.dumps(results, indent=1))
     md = report(results)
     (args.out / "learning.md").write_text(md)
     plot(results, args.out / "learning.png")

@@ -283,14 +283,17 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
             micro = dataclasses.replace(
                 micro, ref_logp=reference_logprobs(policy, micro, fused, settings.temperature))
         hidden = policy.lm.hidden_states(micro)
+        # This pass's own log-probs, taken once: the reference's (above) and,
+        # on-policy, the pre-update ones of TIS and the agreement.
+        own_logp = current_logprobs(policy.lm, micro, fused, settings.temperature, hidden) if own_reference else None
         if own_reference:
-            micro = dataclasses.replace(
-                micro, ref_logp=current_logprobs(policy.lm, micro, fused, settings.temperature, hidden))
+            micro = dataclasses.replace(micro, ref_logp=own_logp)
         weights = None
         if not padding and micro.engine_logp is not None and (tis_cap is not None or agreement is not None):
             old = micro.old_logp
             if old is None:
-                old = current_logprobs(policy.lm, micro, fused, settings.temperature, hidden)
+                old = own_logp if own_logp is not None else current_logprobs(
+                    policy.lm, micro, fused, settings.temperature, hidden)
             if tis_cap is not None:
                 weights = tis_weights(old, micro.engine_logp, tis_cap, micro.loss_mask)
             if agreement is not None:
