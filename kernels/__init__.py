@@ -6,8 +6,21 @@ implementations, chosen by the tensors' device or forced with ``impl=``:
 "reference" (plain PyTorch, the oracle), "chunked" (PyTorch chunked over
 tokens, the CPU path) and "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
 The packed-batch conventions are documented in ``kernels.dispatch``.
+
+The names a loss is configured by each have one home, a registry every path
+reads: ``LOSS_TYPES`` (reductions, with verl's and TRL's names,
+``loss_types.py``), ``KL_ESTIMATORS`` (``kl_estimators.py``),
+``ADVANTAGE_ESTIMATORS`` (``advantage_estimators.py``); the per-token
+objective and its settings (clip range, dual clip, clamps) are
+``objective.py``.
 """
 
+from .advantage_estimators import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
 from .dispatch import (
     fused_linear_grpo_loss,
     fused_linear_logprobs,
@@ -15,7 +28,9 @@ from .dispatch import (
     grpo_loss,
     token_logprobs,
 )
+from .kl_estimators import KL_ESTIMATORS, KLEstimator, get_kl_estimator
 from .loss_types import LOSS_TYPES, LossType, get_loss_type, register_loss_type
+from .objective import Objective
 from .packing import next_token_targets
 
 __all__ = [
@@ -29,4 +44,12 @@ __all__ = [
     "LossType",
     "get_loss_type",
     "register_loss_type",
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "get_advantage_estimator",
+    "register_advantage_estimator",
+    "KL_ESTIMATORS",
+    "KLEstimator",
+    "get_kl_estimator",
+    "Objective",
 ]

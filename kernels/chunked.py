@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-from . import loss_types, packing
+from . import advantage_estimators, loss_types, packing
+from .objective import Objective, token_terms
 
 CHUNK_ROWS = 256  # rows per chunk; see module docstring
 CHUNK_BYTES = 256 << 20  # cap on the fp32 chunk buffer for very large vocabularies
@@ -184,9 +185,8 @@ def fused_linear_logprobs(hidden, weight, targets, temperature=1.0, bias=None, *
 # --------------------------------------------------------------------------
 # group_advantages
 # --------------------------------------------------------------------------
-def group_advantages(rewards, seq_group, eps=1e-6, scale="group"):
-    if scale not in ("group", "none"):
-        raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
+def group_advantages(rewards, seq_group, eps=1e-6, estimator="grpo"):
+    est = advantage_estimators.get_advantage_estimator(estimator)
     r = rewards.float().reshape(-1)
     num = r.numel()
     if num == 0:
@@ -201,45 +201,23 @@ def group_advantages(rewards, seq_group, eps=1e-6, scale="group"):
     pivot = r.detach()[first][label]
     count = torch.zeros(num_groups, device=r.device).index_add_(0, label, torch.ones_like(r))
     shifted_sum = torch.zeros(num_groups, device=r.device).index_add(0, label, r - pivot)
-    dev = r - (pivot + (shifted_sum / count)[label])
-    if scale == "none":
-        return dev
-    var = torch.zeros(num_groups, device=r.device).index_add(0, label, dev * dev) / count
-    pos_var = var > 0
-    # double-where: sqrt'(0) is infinite, but constant groups have dev == 0
-    std = torch.where(pos_var, torch.sqrt(torch.where(pos_var, var, torch.ones_like(var))), torch.zeros_like(var))
-    return dev / (std[label] + eps)
+    adv = r - (pivot + (shifted_sum / count)[label])
+    if est.scale_by_std:
+        dof = (count - est.ddof).clamp(min=1.0)  # a group of one has dev == 0 whatever it divides by
+        var = torch.zeros(num_groups, device=r.device).index_add(0, label, adv * adv) / dof
+        pos_var = var > 0
+        # double-where: sqrt'(0) is infinite, but constant groups have dev == 0
+        std = torch.where(pos_var, torch.sqrt(torch.where(pos_var, var, torch.ones_like(var))),
+                          torch.zeros_like(var))
+        adv = adv / (std[label] + eps)
+    if est.leave_one_out:
+        adv = adv * (count / (count - 1.0).clamp(min=1.0))[label]
+    return adv
 
 
 # --------------------------------------------------------------------------
-# The clipped objective, per token, with its analytic derivative
+# The clipped objective (kernels/objective.py holds its per-token terms)
 # --------------------------------------------------------------------------
-def grpo_token_terms(logp, old, ref, adv, eps_low, eps_high, beta):
-    """Per-token GRPO loss and d loss / d logp, all fp32 [M].
-
-    loss = -min(r A, clip(r, 1-eps_low, 1+eps_high) A) + beta * k3,
-    r = exp(logp - old), k3 = exp(ref - logp) - (ref - logp) - 1.
-    The min picks the clipped branch exactly when the ratio left the trust
-    region in the direction the advantage pushes it; there the clipped term
-    is constant, so the policy-gradient derivative is 0, else -A r.
-    Returns (loss, dloss, is_clipped, kl or None).
-    """
-    ratio = torch.exp(logp - old) if old is not None else torch.ones_like(logp)
-    lo, hi = 1.0 - eps_low, 1.0 + eps_high
-    is_clipped = ((ratio > hi) & (adv > 0)) | ((ratio < lo) & (adv < 0))
-    loss = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
-    dloss = torch.where(is_clipped, torch.zeros_like(ratio), -adv * ratio)
-    kl = None
-    if ref is not None:
-        d = ref - logp
-        ed = torch.exp(d)
-        kl = ed - d - 1.0
-        if beta != 0.0:
-            loss = loss + beta * kl
-            dloss = dloss + beta * (1.0 - ed)
-    return loss, dloss, is_clipped, kl
-
-
 def _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens, token_weights, n):
     """Loss positions, each one's advantage and its weight in the reduced loss:
     the loss type's per-sequence weight times the caller's per-token weight."""
@@ -253,9 +231,11 @@ def _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens, 
     return pos, advantages.detach().float()[seq], w
 
 
-def _stats(clipped_count, kl_sum, ent_sum, num_tokens):
+def _stats(clipped_count, dual_count, kl_sum, ent_sum, num_tokens):
     denom = float(max(num_tokens, 1))
     stats = {"clip_frac": clipped_count / denom}
+    if dual_count is not None:
+        stats["clip_frac_lower"] = dual_count / denom
     if kl_sum is not None:
         stats["kl"] = kl_sum / denom
     if ent_sum is not None:
@@ -265,19 +245,20 @@ def _stats(clipped_count, kl_sum, ent_sum, num_tokens):
 
 class _GrpoLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens,
-                eps_low, eps_high, beta, loss_type, max_tokens, token_weights):
+    def forward(ctx, logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, objective, loss_type, max_tokens,
+                token_weights):
         n = logp.numel()
         pos, adv, w = _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens,
                                         token_weights, n)
         lp = logp.reshape(-1).index_select(0, pos).float()
         old = packing.gather_per_token(old_logp, pos, n)
         ref = packing.gather_per_token(ref_logp, pos, n)
-        loss_tok, dloss, clipped, kl = grpo_token_terms(lp, old, ref, adv, eps_low, eps_high, beta)
+        loss_tok, dloss, clipped, dual, kl = token_terms(lp, old, ref, adv, objective)
         loss = (w * loss_tok).sum()
         ctx.save_for_backward(pos, w * dloss)
         ctx.n, ctx.shape, ctx.dtype = n, logp.shape, logp.dtype
-        stats = _stats(clipped.sum().float(), None if kl is None else kl.sum(), None, pos.numel())
+        stats = _stats(clipped.sum().float(), dual.sum().float() if objective.dual_clip else None,
+                       None if kl is None else kl.sum(), None, pos.numel())
         ctx.mark_non_differentiable(*stats.values())
         return (loss, *stats.values())
 
@@ -286,17 +267,17 @@ class _GrpoLoss(torch.autograd.Function):
         pos, g = ctx.saved_tensors
         dlogp = torch.zeros(ctx.n, dtype=torch.float32, device=g.device)
         dlogp.index_copy_(0, pos, g * grad_loss.float())
-        return (dlogp.reshape(ctx.shape).to(ctx.dtype),) + (None,) * 11
+        return (dlogp.reshape(ctx.shape).to(ctx.dtype),) + (None,) * 9
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low=0.2, eps_high=0.2,
-              beta=0.0, loss_type="grpo", *, max_tokens=None, token_weights=None):
+              beta=0.0, loss_type="grpo", *, max_tokens=None, token_weights=None, clip_ratio_c=None,
+              kl_estimator="k3", log_ratio_clamp=None, kl_clamp=None):
     loss_types.get_loss_type(loss_type)
-    loss, *vals = _GrpoLoss.apply(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens,
-                                  float(eps_low), float(eps_high), float(beta), loss_type, max_tokens,
-                                  token_weights)
-    keys = ["clip_frac"] + (["kl"] if ref_logp is not None else [])
-    return loss, dict(zip(keys, vals))
+    objective = Objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp)
+    loss, *vals = _GrpoLoss.apply(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, objective,
+                                  loss_type, max_tokens, token_weights)
+    return loss, dict(zip(objective.stat_keys(ref_logp is not None), vals))
 
 
 # --------------------------------------------------------------------------
@@ -310,8 +291,7 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-                eps_low, eps_high, beta, temperature, loss_type, max_tokens, compute_entropy, need_grad,
-                chunk_rows, token_weights):
+                objective, temperature, loss_type, max_tokens, compute_entropy, need_grad, chunk_rows, token_weights):
         n, hdim = hidden.shape
         v = weight.shape[0]
         dev = hidden.device
@@ -334,6 +314,7 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
 
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         clipped_count = torch.zeros((), dtype=torch.float32, device=dev)
+        dual_count = torch.zeros((), dtype=torch.float32, device=dev) if objective.dual_clip else None
         kl_sum = None if ref is None else torch.zeros((), dtype=torch.float32, device=dev)
         ent_sum = torch.zeros((), dtype=torch.float32, device=dev) if compute_entropy else None
         buf = torch.empty(max(min(step, m), 1), v, dtype=torch.float32, device=dev)
@@ -344,11 +325,12 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
             zt = z.gather(1, tgt[a:b].unsqueeze(1)).squeeze(1)
             lse, s, ent = _exp_normalise_(z, compute_entropy)
             logp = zt - lse
-            loss_tok, dloss, clipped, kl = grpo_token_terms(
-                logp, None if old is None else old[a:b], None if ref is None else ref[a:b],
-                adv[a:b], eps_low, eps_high, beta)
+            loss_tok, dloss, clipped, dual, kl = token_terms(
+                logp, None if old is None else old[a:b], None if ref is None else ref[a:b], adv[a:b], objective)
             loss += (w[a:b] * loss_tok).sum()
             clipped_count += clipped.sum()
+            if dual_count is not None:
+                dual_count += dual.sum()
             if kl is not None:
                 kl_sum += kl.sum()
             if ent is not None:
@@ -364,7 +346,7 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
         del buf
         ctx.save_for_backward(pos, dh, dw, db)
         ctx.meta = (n, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        stats = _stats(clipped_count, kl_sum, ent_sum, m)
+        stats = _stats(clipped_count, dual_count, kl_sum, ent_sum, m)
         ctx.mark_non_differentiable(*stats.values())
         return (loss, *stats.values())
 
@@ -388,19 +370,19 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
             dweight = scaled(dw, w_dtype)
         if db is not None:
             dbias = scaled(db, b_dtype)
-        return (dhidden, dweight, dbias) + (None,) * 16
+        return (dhidden, dweight, dbias) + (None,) * 14
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp=None,
                            ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, temperature=1.0,
                            loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False,
-                           chunk_rows=None, token_weights=None):
+                           chunk_rows=None, token_weights=None, clip_ratio_c=None, kl_estimator="k3",
+                           log_ratio_clamp=None, kl_clamp=None):
     loss_types.get_loss_type(loss_type)
+    objective = Objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp)
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     loss, *vals = _FusedLinearGrpoLoss.apply(
-        hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-        float(eps_low), float(eps_high), float(beta), float(temperature), loss_type, max_tokens,
-        bool(compute_entropy), need_grad, chunk_rows, token_weights)
-    keys = ["clip_frac"] + (["kl"] if ref_logp is not None else []) + (["entropy"] if compute_entropy else [])
-    return loss, dict(zip(keys, vals))
+        hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp, objective,
+        float(temperature), loss_type, max_tokens, bool(compute_entropy), need_grad, chunk_rows, token_weights)
+    return loss, dict(zip(objective.stat_keys(ref_logp is not None, compute_entropy), vals))

@@ -27,11 +27,13 @@ Conventions shared by every function (the packed batch of rcgrpo/batch.py):
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Optional
 
 import torch
 
-from . import chunked, loss_types, reference
+from . import advantage_estimators, chunked, loss_types, objective, reference
 
 IMPLS = ("reference", "chunked", "triton")
 
@@ -53,28 +55,107 @@ def _choose(impl: Optional[str], *tensors: Optional[torch.Tensor]) -> str:
     return impl
 
 
+# --------------------------------------------------------------------------
+# Validation at the door: every argument of every public function, each a
+# one-line ValueError naming the argument, before any kernel runs.
+# --------------------------------------------------------------------------
+def _tensor(name: str, t, *, dim: Optional[int] = None, kind: str = "float", numel=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if kind == "float" and not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor (fp32/bf16/fp16), got {t.dtype}")
+    if kind == "int" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise ValueError(f"{name} must be an integer tensor (int32/int64), got {t.dtype}")
+    if kind == "mask" and (t.is_floating_point() or t.is_complex()):
+        raise ValueError(f"{name} must be a bool (or integer 0/1) tensor, got {t.dtype}")
+    if numel is not None and t.numel() not in (numel if isinstance(numel, tuple) else (numel,)):
+        want = " or ".join(str(x) for x in (numel if isinstance(numel, tuple) else (numel,)))
+        raise ValueError(f"{name} has {t.numel()} elements, expected {want}")
+
+
+def _same_device(**tensors) -> None:
+    devices = {k: t.device for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{k} on {d}" for k, d in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+
+
+def _temperature(temperature) -> float:
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a number, got {temperature!r}") from None
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return t
+
+
+def _check_targets(targets: torch.Tensor, vocab: int, rows: Optional[torch.Tensor] = None) -> None:
+    """Targets (those of ``rows`` when given: the only ones read) must be ids
+    in [0, V). One host sync. HF's ignore index -100 is not an id: leave such
+    positions out of the loss mask (or the rows passed) instead."""
+    t = targets.reshape(-1) if rows is None else targets.reshape(-1)[rows]
+    if t.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack([t.min(), t.max()]).tolist())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"targets must be token ids in [0, {vocab}) where they are read, got values in "
+                         f"[{lo}, {hi}] (an ignore index such as -100 belongs outside the loss mask)")
+
+
 def _check_packed(n: int, loss_mask, cu_seqlens, advantages) -> None:
-    if loss_mask.numel() != n:
-        raise ValueError(f"loss_mask has {loss_mask.numel()} elements, expected N={n}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must be 1-D [S+1]")
+    _tensor("loss_mask", loss_mask, kind="mask", numel=n)
+    _tensor("cu_seqlens", cu_seqlens, dim=1, kind="int")
+    _tensor("advantages", advantages)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be 1-D [S+1] with S >= 0")
     if advantages.numel() != cu_seqlens.numel() - 1:
         raise ValueError(
             f"advantages has {advantages.numel()} elements, expected S={cu_seqlens.numel() - 1} (one per sequence)")
+    cu = cu_seqlens.long()
+    ok = (cu[0] == 0) & (cu[-1] == n) & (cu[1:] >= cu[:-1]).all()
+    if not bool(ok):  # one host sync
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at N={n}, got "
+                         f"{cu_seqlens.tolist() if cu_seqlens.numel() <= 12 else 'a tensor that does not'}")
 
 
-def _check_grpo_args(beta, ref_logp, loss_type, eps_low, eps_high) -> None:
-    loss_types.get_loss_type(loss_type)
-    if beta != 0.0 and ref_logp is None:
+def _check_linear(hidden, weight, bias):
+    """hidden [N, H], weight [V, H], bias None or [V]; returns bias made
+    contiguous (the kernels read it with stride 1)."""
+    _tensor("hidden", hidden, dim=2)
+    _tensor("weight", weight, dim=2)
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [N, H] and weight [V, H] must share H, got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if bias is None:
+        return None
+    _tensor("bias", bias, dim=1, numel=weight.shape[0])
+    return bias.contiguous()
+
+
+def _per_token(name: str, t, n: int, m: int) -> None:
+    if t is not None:
+        _tensor(name, t, numel=(n, m) if m != n else n)
+
+
+def _objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp, ref_logp):
+    obj = objective.Objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp)
+    if obj.beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp")
-    if eps_low < 0 or eps_high < 0:
-        raise ValueError("eps_low and eps_high must be >= 0")
+    return obj
 
 
-def _check_token_weights(token_weights, sizes: tuple[int, ...]) -> None:
-    if token_weights is not None and token_weights.numel() not in sizes:
-        raise ValueError(f"token_weights has {token_weights.numel()} elements, expected one of {sizes} "
-                         "(packed positions, or the loss tokens in order)")
+def _max_tokens(loss_type: str, max_tokens) -> None:
+    loss_types.get_loss_type(loss_type)
+    if max_tokens is not None:
+        try:
+            ok = math.isfinite(float(max_tokens)) and float(max_tokens) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"max_tokens must be a finite number > 0 or None, got {max_tokens!r}")
 
 
 def token_logprobs(
@@ -91,8 +172,11 @@ def token_logprobs(
     Returns:
         [N] fp32; differentiable w.r.t. ``logits`` (gradient in logits.dtype).
     """
-    if logits.dim() != 2 or targets.numel() != logits.shape[0]:
-        raise ValueError("expected logits [N, V] and targets [N]")
+    _tensor("logits", logits, dim=2)
+    _tensor("targets", targets, dim=1, kind="int", numel=logits.shape[0])
+    _same_device(logits=logits, targets=targets)
+    temperature = _temperature(temperature)
+    _check_targets(targets, logits.shape[1])
     which = _choose(impl, logits)
     if which == "reference":
         return reference.token_logprobs(logits, targets, temperature)
@@ -129,8 +213,11 @@ def fused_linear_logprobs(
     Returns:
         [N] fp32; differentiable w.r.t. hidden, weight and bias.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError("expected hidden [N, H] and weight [V, H]")
+    bias = _check_linear(hidden, weight, bias)
+    _tensor("targets", targets, dim=1, kind="int", numel=hidden.shape[0])
+    _same_device(hidden=hidden, weight=weight, targets=targets, bias=bias)
+    temperature = _temperature(temperature)
+    _check_targets(targets, weight.shape[0])
     which = _choose(impl, hidden, weight)
     if which == "reference":
         return reference.fused_linear_logprobs(hidden, weight, targets, temperature, bias)
@@ -145,36 +232,54 @@ def group_advantages(
     rewards: torch.Tensor,
     seq_group: torch.Tensor,
     eps: float = 1e-6,
-    scale: str = "group",
+    estimator: str = "grpo",
     *,
+    scale: Optional[str] = None,
     impl: Optional[str] = None,
 ) -> torch.Tensor:
-    """Group-relative advantages ``(R - mean_g) / (std_g + eps)``.
+    """Group-relative advantages, ``k (R - mean_g) / d`` (the paper's
+    ``(R - mean_g) / (std_g + eps)`` by default).
 
-    Statistics are per group of sequences sharing a ``seq_group`` id; std is
-    the population std (ddof=0). A group whose rewards are all equal (or a
-    group of one) gets advantages of exactly 0, never NaN.
+    Statistics are per group of sequences sharing a ``seq_group`` id. A group
+    whose rewards are all equal (or a group of one) gets advantages of
+    exactly 0, never NaN, under every estimator.
 
     Args:
         rewards: [S] fp32/bf16/fp16, one scalar reward per sequence.
         seq_group: [S] integer group id per sequence (any values).
-        eps: added to the std.
-        scale: "group" divides by (std + eps); "none" only centres (Dr. GRPO).
+        eps: added to the std (estimators that divide by it).
+        estimator: a name in ``kernels.ADVANTAGE_ESTIMATORS``: "grpo" (population
+            std, the paper), "grpo_ddof1" (sample std: verl, TRL), "dr_grpo"
+            (centred only), "rloo" (leave-one-out); see
+            ``kernels/advantage_estimators.py``. "group" / "none" name grpo / dr_grpo.
+        scale: deprecated spelling of ``estimator`` ("group" or "none").
         impl: None (auto), "reference", "chunked" or "triton".
 
     Returns:
         [S] fp32; differentiable w.r.t. rewards.
     """
-    if rewards.numel() != seq_group.numel():
-        raise ValueError("rewards and seq_group must both be [S]")
+    if scale is not None:
+        warnings.warn("group_advantages(scale=...) is deprecated: pass estimator= ('group' is 'grpo', "
+                      "'none' is 'dr_grpo')", DeprecationWarning, stacklevel=2)
+        estimator = scale
+    advantage_estimators.get_advantage_estimator(estimator)
+    _tensor("rewards", rewards, dim=1)
+    _tensor("seq_group", seq_group, dim=1, kind="int", numel=rewards.numel())
+    _same_device(rewards=rewards, seq_group=seq_group)
+    try:
+        eps_ok = math.isfinite(float(eps)) and float(eps) >= 0
+    except (TypeError, ValueError):
+        eps_ok = False
+    if not eps_ok:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     which = _choose(impl, rewards)
     if which == "reference":
-        return reference.group_advantages(rewards, seq_group, eps, scale)
+        return reference.group_advantages(rewards, seq_group, eps, estimator)
     if which == "chunked":
-        return chunked.group_advantages(rewards, seq_group, eps, scale)
+        return chunked.group_advantages(rewards, seq_group, eps, estimator)
     from .triton import advantage
 
-    return advantage.group_advantages(rewards, seq_group, eps, scale)
+    return advantage.group_advantages(rewards, seq_group, eps, estimator)
 
 
 def grpo_loss(
@@ -191,20 +296,26 @@ def grpo_loss(
     *,
     max_tokens: Optional[float] = None,
     token_weights: Optional[torch.Tensor] = None,
+    clip_ratio_c: Optional[float] = None,
+    kl_estimator: str = "k3",
+    log_ratio_clamp: Optional[float] = None,
+    kl_clamp: Optional[float] = None,
     impl: Optional[str] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped GRPO objective from per-token log-probs.
 
-    Per loss token: ``r = exp(logp - old_logp)``,
-    ``l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * k3``, with
-    ``k3 = exp(ref - logp) - (ref - logp) - 1`` and A the advantage of the
-    token's sequence (found through ``cu_seqlens``). With ``token_weights``,
-    each token's ``l`` is multiplied by its weight ``c`` before the reduction
+    Per loss token (``kernels/objective.py``): ``r = exp(logp - old_logp)``,
+    ``l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * KL``, with
+    A the advantage of the token's sequence (found through ``cu_seqlens``)
+    and KL the ``kl_estimator`` (default k3, ``exp(ref - logp) - (ref - logp) - 1``).
+    With ``clip_ratio_c`` (dual-clip PPO, verl) a negative-advantage token's
+    loss is at most ``-clip_ratio_c * A``. With ``token_weights``, each
+    token's ``l`` is multiplied by its weight ``c`` before the reduction
     (``c * l``; the reduction's counts do not change): the hook for truncated
     importance sampling, ``c = min(exp(old_logp - sampler_logp), cap)``.
 
     Reductions (``loss_type``, a name in ``kernels.LOSS_TYPES``; each is
-    defined once in ``kernels/loss_types.py``, where new ones are registered):
+    defined once in ``kernels/loss_types.py``, with its verl and TRL names):
         grpo: mean over the loss tokens of each sequence, then mean over the
             sequences that have at least one loss token;
         bnpo, dapo: sum over loss tokens / number of loss tokens (the two are
@@ -212,37 +323,63 @@ def grpo_loss(
         dr_grpo: sum over loss tokens / (S * max_tokens), S counting every
             sequence; ``max_tokens`` defaults to the largest number of loss
             tokens in one sequence of this batch (pass a constant, e.g. the
-            generation budget, to make it batch-independent).
+            generation budget, to make it batch-independent);
+        token-sum: sum over loss tokens; seq-mean-token-sum: that sum / the
+            sequences with loss tokens; seq-mean-token-sum-norm: that sum /
+            max_tokens (verl's loss_scale_factor).
     With no loss token at all the loss is 0.
+
+    NaN is never hidden: a NaN in ``logp``, ``old_logp``, ``ref_logp``,
+    ``advantages`` or ``token_weights`` on a loss token makes the loss NaN on
+    every path; values off the loss tokens are never read into the maths.
 
     Args:
         logp: [N] log-probs of the current policy (differentiable).
-        old_logp: [N] or None; None means the sampling policy is the current
-            one (ratio 1, gradient -A).
-        ref_logp: [N] or None; needed when beta != 0.
+        old_logp: None, [N] (packed positions) or [M] (the M loss tokens in
+            order); None means the sampling policy is the current one (ratio
+            1, gradient -A).
+        ref_logp: None, [N] or [M]; needed when beta != 0.
         advantages: [S] per-sequence advantages.
         loss_mask: [N] bool.
-        cu_seqlens: [S+1] int32/int64.
-        eps_low, eps_high: clip range of the ratio.
-        beta: weight of the k3 KL penalty.
-        loss_type: a name in ``kernels.LOSS_TYPES`` ("grpo", "bnpo", "dapo", "dr_grpo").
-        max_tokens: dr_grpo's constant (see above).
-        token_weights: None or [N] fp32 per-token loss weights (a constant: no
+        cu_seqlens: [S+1] int32/int64, from 0 to N, never decreasing.
+        eps_low, eps_high: clip range of the ratio (>= 0).
+        beta: weight of the KL penalty (>= 0).
+        loss_type: a name in ``kernels.LOSS_TYPES``.
+        max_tokens: the constant of the types scaled by a token budget.
+        token_weights: None, [N] or [M] per-token loss weights (a constant: no
             gradient flows to it; values off the loss tokens are ignored).
+        clip_ratio_c: dual-clip bound (> 1; verl's default is 3.0); None = off.
+        kl_estimator: a name in ``kernels.KL_ESTIMATORS`` (k3, k1, k2, abs,
+            k1+, abs+, k3+; ``kernels/kl_estimators.py``).
+        log_ratio_clamp: clamp logp - old and logp - ref to [-c, c] (verl: 20);
+            None = off (TRL's behaviour).
+        kl_clamp: clamp the KL value to [-c, c] (verl: 10 for k3); None = off.
         impl: None (auto), "reference", "chunked" or "triton".
 
     Returns:
         (loss, stats): loss is a 0-d fp32 tensor; stats holds 0-d fp32
         tensors, no grad: ``clip_frac`` (share of loss tokens whose ratio was
-        clipped in the direction the advantage pushes it) and, when
-        ``ref_logp`` is given, ``kl`` (mean k3 over loss tokens).
+        clipped in the direction the advantage pushes it), with the dual clip
+        ``clip_frac_lower`` (share held by it), and, when ``ref_logp`` is
+        given, ``kl`` (mean of the estimator over loss tokens, its log-ratio
+        clamped to +-20 so that a -inf log-prob gives a finite number).
     """
-    _check_packed(logp.numel(), loss_mask, cu_seqlens, advantages)
-    _check_grpo_args(beta, ref_logp, loss_type, eps_low, eps_high)
-    _check_token_weights(token_weights, (logp.numel(),))
+    _tensor("logp", logp, dim=1)
+    n = logp.numel()
+    _check_packed(n, loss_mask, cu_seqlens, advantages)
+    obj = _objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp, ref_logp)
+    _max_tokens(loss_type, max_tokens)
+    m = int(loss_mask.sum()) if any(t is not None for t in (old_logp, ref_logp, token_weights)) else n
+    _per_token("old_logp", old_logp, n, m)
+    _per_token("ref_logp", ref_logp, n, m)
+    _per_token("token_weights", token_weights, n, m)
+    _same_device(logp=logp, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, loss_mask=loss_mask,
+                 cu_seqlens=cu_seqlens, token_weights=token_weights)
     which = _choose(impl, logp)
-    args = (logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, eps_low, eps_high, beta, loss_type)
-    kw = dict(max_tokens=max_tokens, token_weights=token_weights)
+    args = (logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, obj.eps_low, obj.eps_high, obj.beta,
+            loss_type)
+    kw = dict(max_tokens=max_tokens, token_weights=token_weights, clip_ratio_c=clip_ratio_c,
+              kl_estimator=kl_estimator, log_ratio_clamp=log_ratio_clamp, kl_clamp=kl_clamp)
     if which == "reference":
         return reference.grpo_loss(*args, **kw)
     if which == "chunked":
@@ -271,24 +408,30 @@ def fused_linear_grpo_loss(
     max_tokens: Optional[float] = None,
     compute_entropy: bool = False,
     token_weights: Optional[torch.Tensor] = None,
+    clip_ratio_c: Optional[float] = None,
+    kl_estimator: str = "k3",
+    log_ratio_clamp: Optional[float] = None,
+    kl_clamp: Optional[float] = None,
     impl: Optional[str] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """lm_head projection + token log-probs + ``grpo_loss`` in one pass.
 
-    Only the rows where ``loss_mask`` is True are projected (the chunked and
-    Triton paths gather them first), and the [N, V] logits are never built.
-    Same objective, reductions and stats as ``grpo_loss``.
+    Only the rows where ``loss_mask`` is True are projected (every path
+    gathers them first), and the [N, V] logits are never built. Same
+    objective, reductions, settings and stats as ``grpo_loss``.
 
     Args:
         hidden: [N, H] fp32/bf16/fp16 final hidden states of the packed batch.
         weight: [V, H] lm_head weight.
-        targets: [N] int32/int64 next-token ids (read only where loss_mask).
+        targets: [N] int32/int64 next-token ids, in [0, V) where loss_mask is
+            True (only those are read; e.g. -100 elsewhere is fine).
         advantages: [S] per-sequence advantages.
         loss_mask: [N] bool.
         cu_seqlens: [S+1] int32/int64.
         old_logp, ref_logp: None, [N] (packed positions) or [M] (already
             gathered over the M loss tokens, in order).
-        eps_low, eps_high, beta, loss_type, max_tokens: as in ``grpo_loss``.
+        eps_low, eps_high, beta, loss_type, max_tokens, clip_ratio_c,
+        kl_estimator, log_ratio_clamp, kl_clamp: as in ``grpo_loss``.
         temperature: divides the logits.
         bias: optional [V].
         compute_entropy: also return ``stats["entropy"]``, the mean entropy of
@@ -301,16 +444,26 @@ def fused_linear_grpo_loss(
         (loss, stats) as in ``grpo_loss`` (+ ``entropy`` when asked); loss is
         differentiable w.r.t. hidden, weight and bias.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError("expected hidden [N, H] and weight [V, H]")
-    _check_packed(hidden.shape[0], loss_mask, cu_seqlens, advantages)
-    _check_grpo_args(beta, ref_logp, loss_type, eps_low, eps_high)
-    if token_weights is not None:
-        _check_token_weights(token_weights, (hidden.shape[0], int(loss_mask.sum())))
+    bias = _check_linear(hidden, weight, bias)
+    n = hidden.shape[0]
+    _tensor("targets", targets, dim=1, kind="int", numel=n)
+    _check_packed(n, loss_mask, cu_seqlens, advantages)
+    obj = _objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp, ref_logp)
+    _max_tokens(loss_type, max_tokens)
+    temperature = _temperature(temperature)
+    m = int(loss_mask.sum())
+    _per_token("old_logp", old_logp, n, m)
+    _per_token("ref_logp", ref_logp, n, m)
+    _per_token("token_weights", token_weights, n, m)
+    _same_device(hidden=hidden, weight=weight, targets=targets, advantages=advantages, loss_mask=loss_mask,
+                 cu_seqlens=cu_seqlens, old_logp=old_logp, ref_logp=ref_logp, bias=bias, token_weights=token_weights)
+    _check_targets(targets, weight.shape[0], rows=loss_mask.reshape(-1).bool())
     which = _choose(impl, hidden, weight)
     args = (hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-            eps_low, eps_high, beta, temperature, loss_type, bias)
-    kw = dict(max_tokens=max_tokens, compute_entropy=compute_entropy, token_weights=token_weights)
+            obj.eps_low, obj.eps_high, obj.beta, temperature, loss_type, bias)
+    kw = dict(max_tokens=max_tokens, compute_entropy=compute_entropy, token_weights=token_weights,
+              clip_ratio_c=clip_ratio_c, kl_estimator=kl_estimator, log_ratio_clamp=log_ratio_clamp,
+              kl_clamp=kl_clamp)
     if which == "reference":
         return reference.fused_linear_grpo_loss(*args, **kw)
     if which == "chunked":

@@ -5,8 +5,9 @@ Every reduction is ``loss = sum_i l_i / d(seq(i))`` over the loss tokens, with
 a per-sequence denominator ``d`` built from three facts a ``LossType`` states:
 
 - ``normaliser``: the count the batch's loss divides by (sequences with loss
-  tokens, loss tokens, or sequences). Gradient accumulation splits a batch by
-  the ratio of these counts (``rcgrpo.batch.accumulation_weight``).
+  tokens, loss tokens, or sequences), or None for a sum. Gradient
+  accumulation splits a batch by the ratio of these counts
+  (``rcgrpo.batch.accumulation_weight``; a sum's parts each weigh 1).
 - ``mean_within_sequence``: each sequence's tokens are averaged first (the
   denominator also holds that sequence's loss-token count).
 - ``scaled_by_max_tokens``: the denominator also holds a constant token budget
@@ -15,6 +16,36 @@ a per-sequence denominator ``d`` built from three facts a ``LossType`` states:
 The chunked and Triton paths need only ``sequence_weights`` (``1 / d`` per
 sequence), so a registered type runs on every path; ``kernels.reference``
 reduces with a loop over sequences from the same three facts.
+
+The built-in types and what peers call them (l_i the per-token loss, n_s
+the loss tokens of sequence s, S+ the sequences with at least one, S all
+sequences, T the ``max_tokens`` constant):
+
+=======================  ==========================  ==================================  ==================
+name                     loss                        verl ``loss_agg_mode``              TRL ``loss_type``
+=======================  ==========================  ==================================  ==================
+grpo                     mean over S+ of             ``seq-mean-token-mean``             ``grpo`` (*)
+                         (sum_s l / n_s)
+bnpo                     sum l / sum n_s             ``token-mean`` (one process)        ``bnpo``
+dapo                     sum l / sum n_s             ``token-mean`` (global count)       ``dapo`` (**)
+dr_grpo                  sum l / (S T)               --                                  ``dr_grpo`` with
+                                                                                         T = max_completion_length
+token-sum                sum l                       --                                  --
+seq-mean-token-sum       sum l / |S+|                ``seq-mean-token-sum``              --
+seq-mean-token-sum-norm  sum l / T                   ``seq-mean-token-sum-norm`` with    --
+                                                     T = ``loss_scale_factor`` (***)
+=======================  ==========================  ==================================  ==================
+
+(*) TRL's grpo averages over *all* sequences, a sequence without loss
+tokens adding 0 (``mask.sum(-1).clamp(min=1)``); ours leaves such a
+sequence out, as verl does. They agree whenever every sequence has a loss
+token (every completion has at least one token). (**) TRL's and verl's
+global counts span processes and accumulation steps; rcgrpo's accumulation
+(``rcgrpo.batch.accumulation_weight``) divides by the whole batch's count,
+which is the same on one process. (***) verl's default T is the padded
+response length of the micro-batch; pass ``max_tokens`` to fix it. With T
+defaulting here to the longest sequence's loss-token count, dr_grpo is
+``seq-mean-token-sum-norm`` divided by S.
 """
 
 from __future__ import annotations
@@ -36,7 +67,7 @@ class LossType:
     (``rcgrpo.batch.loss_normaliser(..., informative_only=True)``)."""
 
     name: str
-    normaliser: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    normaliser: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
     mean_within_sequence: bool = False
     scaled_by_max_tokens: bool = False
     description: str = ""
@@ -46,8 +77,16 @@ class LossType:
             # sequence_weights builds a denominator of two factors, not three.
             raise ValueError(f"loss_type {self.name!r}: choose one of mean_within_sequence and scaled_by_max_tokens")
 
+    @property
+    def divides(self) -> bool:
+        """False for a sum (``normaliser`` None): each micro-batch's or rank's
+        loss is then its own share, with an accumulation weight of 1."""
+        return self.normaliser is not None
+
     def count(self, counts: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The normaliser of the sequences ``keep`` selects (all by default)."""
+        """The normaliser of the sequences ``keep`` selects (all by default); 1 for a sum."""
+        if self.normaliser is None:
+            return torch.ones((), dtype=torch.long, device=counts.device)
         if keep is None:
             keep = torch.ones_like(counts, dtype=torch.bool)
         return self.normaliser(counts, keep)
@@ -125,3 +164,10 @@ register_loss_type(LossType(
 register_loss_type(LossType(
     "dr_grpo", sequences, scaled_by_max_tokens=True,
     description="sum over tokens / (sequences x max_tokens) (Dr. GRPO)"))
+register_loss_type(LossType("token-sum", None, description="sum over the loss tokens"))
+register_loss_type(LossType(
+    "seq-mean-token-sum", sequences_with_loss_tokens,
+    description="each sequence's token sum, averaged over the sequences with loss tokens (verl)"))
+register_loss_type(LossType(
+    "seq-mean-token-sum-norm", None, scaled_by_max_tokens=True,
+    description="sum over the loss tokens / max_tokens (verl, with max_tokens = its loss_scale_factor)"))

@@ -92,3 +92,17 @@ def gather_per_token(
         f"per-token tensor has {values.numel()} elements; expected {n_total} (packed) "
         f"or {m} (loss tokens only)"
     )
+
+
+def scatter_per_token(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Return ``values`` on the packed positions ([N]): as they are when they
+    are [N], placed at the loss positions (fp32, 0 elsewhere) when they are
+    [M], the loss tokens in order. The inverse reading of ``gather_per_token``."""
+    values = values.reshape(-1)
+    mask = loss_mask.reshape(-1).bool()
+    n = mask.numel()
+    if values.numel() == n:
+        return values
+    out = torch.zeros(n, dtype=torch.float32, device=values.device)
+    out[mask] = values.to(torch.float32)  # raises if values is not [M]
+    return out

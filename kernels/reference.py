@@ -1,7 +1,8 @@
 """Plain PyTorch reference: the oracle every other path is tested against.
 
-Obviously correct rather than fast: it materialises the full fp32 [N, V]
-logits for every token of the packed batch, relies on autograd for the
+Obviously correct rather than fast: it materialises the full fp32 logits of
+every row it scores (all N rows for the log-prob functions, the M loss rows
+for the fused loss), relies on autograd for the
 backward pass, and recomputes packed-batch bookkeeping with simple loops and
 ``repeat_interleave`` instead of sharing helpers with the fast paths.
 Shapes and dtypes are documented on the public functions in ``dispatch.py``.
@@ -13,7 +14,9 @@ from typing import Optional
 
 import torch
 
+from . import advantage_estimators, kl_estimators
 from .loss_types import get_loss_type
+from .objective import Objective
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -48,41 +51,75 @@ def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 def group_advantages(
-    rewards: torch.Tensor, seq_group: torch.Tensor, eps: float = 1e-6, scale: str = "group"
+    rewards: torch.Tensor, seq_group: torch.Tensor, eps: float = 1e-6, estimator: str = "grpo"
 ) -> torch.Tensor:
-    if scale not in ("group", "none"):
-        raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
+    est = advantage_estimators.get_advantage_estimator(estimator)
     r = rewards.float()
     out = torch.zeros_like(r)
     for g in torch.unique(seq_group).tolist():
         idx = (seq_group == g).nonzero().reshape(-1)
         rg = r[idx]
+        n = rg.numel()
         # Shifting by the first member makes the mean of a constant group
         # exactly equal to its value, so the advantage is exactly 0.
         pivot = rg[0].detach()
         mean = pivot + (rg - pivot).mean()
         dev = rg - mean
         adv = dev
-        if scale == "group":
-            std = _safe_sqrt((dev * dev).mean())  # population std (ddof=0)
-            adv = dev / (std + eps)
+        if est.leave_one_out and n > 1:
+            # RLOO's baseline taken literally: the mean of the other members.
+            shifted = rg - pivot
+            adv = shifted - (shifted.sum() - shifted) / (n - 1)
+        if est.scale_by_std:
+            std = _safe_sqrt((dev * dev).sum() / max(n - est.ddof, 1))
+            adv = adv / (std + eps)
         out = out.index_put((idx,), adv)
     return out
 
 
-def _per_token_terms(logp, old_logp, ref_logp, adv_tok, eps_low, eps_high, beta):
-    old = logp.detach() if old_logp is None else old_logp.detach().float()
-    ratio = torch.exp(logp - old)
-    clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+def _kl(logp, ref, obj: Objective):
+    """The KL estimator's value, differentiated by autograd: a straight-through
+    estimator carries its gradient formula's value with that value cancelled."""
+    est = kl_estimators.get_kl_estimator(obj.kl_estimator)
+    x = logp - ref
+    if obj.log_ratio_clamp is not None:
+        x = x.clamp(-obj.log_ratio_clamp, obj.log_ratio_clamp)
+    kl = kl_estimators.base_value(est.value, x)
+    if est.gradient != est.value:
+        carrier = kl_estimators.base_value(est.gradient, x)
+        kl = kl.detach() + (carrier - carrier.detach())
+    if obj.kl_clamp is not None:
+        kl = kl.clamp(-obj.kl_clamp, obj.kl_clamp)
+    return kl
+
+
+def _per_token_terms(logp, old_logp, ref_logp, adv_tok, obj: Objective):
+    if old_logp is None:
+        # On-policy: ratio 1 with derivative 1 (logp - its own value), and 1
+        # with no derivative where logp is infinite (inf - inf would be NaN).
+        log_ratio = torch.where(torch.isfinite(logp), logp - logp.detach(), torch.zeros_like(logp))
+    else:
+        log_ratio = logp - old_logp.detach().float()
+    if obj.log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-obj.log_ratio_clamp, obj.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - obj.eps_low, 1.0 + obj.eps_high)
     per_tok = -torch.min(ratio * adv_tok, clipped_ratio * adv_tok)
+    is_dual = torch.zeros_like(ratio, dtype=torch.bool)
+    if obj.dual_clip:
+        # verl's dual clip, as written there: min(-A c, loss) for A < 0.
+        lower = -adv_tok * obj.clip_ratio_c
+        is_dual = (adv_tok < 0) & (per_tok > lower)
+        per_tok = torch.where(adv_tok < 0, torch.minimum(lower, per_tok), per_tok)
     kl = None
     if ref_logp is not None:
-        d = ref_logp.detach().float() - logp
-        kl = torch.exp(d) - d - 1.0
-        if beta != 0.0:
-            per_tok = per_tok + beta * kl
-    is_clipped = ((ratio > 1.0 + eps_high) & (adv_tok > 0)) | ((ratio < 1.0 - eps_low) & (adv_tok < 0))
-    return per_tok, kl, is_clipped
+        ref = ref_logp.detach().float()
+        kl = kl_estimators.statistic(logp.detach(), ref, obj.kl_estimator, obj.log_ratio_clamp, obj.kl_clamp)
+        if obj.beta != 0.0:
+            per_tok = per_tok + obj.beta * _kl(logp, ref, obj)
+    lo, hi = 1.0 - obj.eps_low, 1.0 + obj.eps_high
+    is_clipped = ((ratio > hi) & (adv_tok > 0)) | ((ratio < lo) & (adv_tok < 0))
+    return per_tok, kl, is_clipped, is_dual
 
 
 def grpo_loss(
@@ -99,29 +136,38 @@ def grpo_loss(
     max_tokens: Optional[float] = None,
     entropy: Optional[torch.Tensor] = None,
     token_weights: Optional[torch.Tensor] = None,
+    clip_ratio_c: Optional[float] = None,
+    kl_estimator: str = "k3",
+    log_ratio_clamp: Optional[float] = None,
+    kl_clamp: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict]:
     """``entropy`` ([N] fp32 per-token entropies) only feeds the statistic;
     the fused-linear reference passes it when asked. ``token_weights`` [N]
     multiplies each token's whole loss (clipped term and KL) before the
-    reduction; it is a constant (no gradient)."""
+    reduction; it is a constant (no gradient). ``old_logp``, ``ref_logp``
+    and ``token_weights`` may be [N] or [M] (the loss tokens in order)."""
     reduction = get_loss_type(loss_type)
+    obj = Objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp)
     if beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp")
-    logp = logp.float()
     mask = loss_mask.bool()
+    n = logp.numel()
+    old_logp, ref_logp, token_weights = (_scatter_if_gathered(t, mask, n) for t in (old_logp, ref_logp, token_weights))
+    # Values at non-loss positions are arbitrary (often 0, -inf or NaN, and
+    # so may be an advantage of a sequence without loss tokens): pin every
+    # input there to a harmless 0, so that nothing overflows exp() or leaks
+    # NaN into the gradient through the masked-out branch.
+    logp = torch.where(mask, logp.float(), torch.zeros((), device=logp.device))
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     num_seqs = lengths.numel()
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=logp.device), lengths)
-    adv_tok = advantages.detach().float()[seq_of_token]
-    # Values at non-loss positions are arbitrary (often 0 or -inf); pin them
-    # to logp so they cannot overflow exp() and leak NaN through the masked
-    # branch's gradient.
+    adv_tok = torch.where(mask, advantages.detach().float()[seq_of_token], torch.zeros((), device=logp.device))
     if old_logp is not None:
         old_logp = torch.where(mask, old_logp.float(), logp.detach())
     if ref_logp is not None:
         ref_logp = torch.where(mask, ref_logp.float(), logp.detach())
 
-    per_tok, kl, is_clipped = _per_token_terms(logp, old_logp, ref_logp, adv_tok, eps_low, eps_high, beta)
+    per_tok, kl, is_clipped, is_dual = _per_token_terms(logp, old_logp, ref_logp, adv_tok, obj)
     if token_weights is not None:
         # Pinned to 1 off the loss tokens, so an arbitrary value there (inf)
         # cannot turn the masked branch's gradient into NaN.
@@ -147,6 +193,8 @@ def grpo_loss(
     denom = n_tok.clamp(min=1).float()
     with torch.no_grad():
         stats = {"clip_frac": (is_clipped & mask).sum().float() / denom}
+        if obj.dual_clip:
+            stats["clip_frac_lower"] = (is_dual & mask).sum().float() / denom
         if kl is not None:
             stats["kl"] = torch.where(mask, kl, torch.zeros_like(kl)).sum() / denom
         if entropy is not None:
@@ -172,22 +220,30 @@ def fused_linear_grpo_loss(
     max_tokens: Optional[float] = None,
     compute_entropy: bool = False,
     token_weights: Optional[torch.Tensor] = None,
+    clip_ratio_c: Optional[float] = None,
+    kl_estimator: str = "k3",
+    log_ratio_clamp: Optional[float] = None,
+    kl_clamp: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict]:
     n = hidden.shape[0]
     mask = loss_mask.bool()
-    old_logp = _scatter_if_gathered(old_logp, mask, n)
-    ref_logp = _scatter_if_gathered(ref_logp, mask, n)
-    token_weights = _scatter_if_gathered(token_weights, mask, n)
-    # The naive path: every token of the packed batch is projected and scored.
-    logp_all = torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)
-    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    # The naive path: the loss rows are projected onto the whole vocabulary
+    # at once and scored with log_softmax; the [M] log-probs are put back on
+    # their packed positions (0 elsewhere, with no gradient to those rows).
+    rows = mask.nonzero().reshape(-1)
+    logp_all = torch.log_softmax(_logits(hidden[rows], weight, bias, temperature), dim=-1)
+    logp = torch.zeros(n, dtype=torch.float32, device=hidden.device).index_put(
+        (rows,), logp_all.gather(-1, targets[rows].long().unsqueeze(-1)).squeeze(-1))
     entropy = None
     if compute_entropy:
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+            p = logp_all.exp()
+            entropy[rows] = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0 where a logit is -inf
     return grpo_loss(
         logp, old_logp, ref_logp, advantages, mask, cu_seqlens,
         eps_low, eps_high, beta, loss_type, max_tokens, entropy, token_weights,
+        clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp,
     )
 
 

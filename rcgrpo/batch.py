@@ -375,11 +375,14 @@ def accumulation_weight(micro: PackedBatch, full: PackedBatch | None, loss_type:
     * ``bnpo`` / ``dapo``: token mean over the batch -> loss tokens, micro / full.
     * ``dr_grpo``: sum / (S * max_tokens) -> sequences, micro / full; pass the
       same explicit ``max_tokens`` to every micro-batch's loss call.
+    * ``token-sum``, ``seq-mean-token-sum-norm`` (sums): 1 for every part.
 
     ``total`` replaces the full batch's count: with several ranks it is the
     count over every rank's batch, so that the ranks' summed gradients equal
     one process's gradient on the whole batch.
     """
+    if not get_loss_type(loss_type).divides:
+        return 1.0  # a sum: each part's gradient is already its share of the whole
     num = loss_normaliser(micro, loss_type)
     den = loss_normaliser(full, loss_type) if total is None else total
     return num / den if den else 0.0

@@ -56,7 +56,9 @@ __all__ = [
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 # The loss types' one list lives with their definitions (kernels/loss_types.py).
 LOSS_TYPES = tuple(kernels.LOSS_TYPES)
-ADVANTAGE_SCALES = ("group", "none")
+# The estimators' lists live with their definitions (kernels/*_estimators.py).
+ADVANTAGE_ESTIMATORS = tuple(kernels.ADVANTAGE_ESTIMATORS)
+KL_ESTIMATORS = tuple(kernels.KL_ESTIMATORS)
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
@@ -217,9 +219,22 @@ class GrpoConfig:
     top_p: float = _f(1.0, "rollout nucleus sampling (choice)", gt=0, le=1)
     max_new_tokens: int = _f(512, "max tokens per assistant step (choice)", ge=1)
     max_total_tokens: int = _f(8192, "max tokens of a whole trajectory (choice: the small model's context)")
-    loss_type: str = _f("grpo", f"loss normalisation, one of {LOSS_TYPES}", choices=LOSS_TYPES)
-    advantage_scale: str = _f("group", f"one of {ADVANTAGE_SCALES}: divide by the group std or not",
-                              choices=ADVANTAGE_SCALES)
+    loss_type: str = _f("grpo", f"loss normalisation, one of {LOSS_TYPES} (kernels/loss_types.py maps them to "
+                        "verl's loss_agg_mode and TRL's loss_type)", choices=LOSS_TYPES)
+    advantage_estimator: str = _f(
+        "grpo", f"group advantage estimator, one of {ADVANTAGE_ESTIMATORS}: grpo = (R - mean) / (std + eps) with "
+        "the population std (paper), grpo_ddof1 = sample std (verl, TRL), dr_grpo = R - mean, rloo = leave-one-out",
+        choices=ADVANTAGE_ESTIMATORS)
+    kl_estimator: str = _f("k3", f"KL estimator, one of {KL_ESTIMATORS} (kernels/kl_estimators.py): k3 = paper, "
+                           "verl low_var_kl, TRL; '+' = straight-through with k2's gradient", choices=KL_ESTIMATORS)
+    clip_ratio_c: Optional[float] = _f(
+        None, "dual-clip PPO: a negative-advantage token's ratio counts at most this much (verl's default 3.0); "
+        "none = off (paper)", gt=1, note="none = off")
+    log_ratio_clamp: Optional[float] = _f(
+        None, "clamp logp - old and logp - ref to [-c, c] before exp (verl: 20); none = off (paper, TRL)", gt=0,
+        note="none = off")
+    kl_clamp: Optional[float] = _f(None, "clamp the KL value to [-c, c] (verl: 10 for k3); none = off", gt=0,
+                                   note="none = off")
     updates_per_batch: int = _f(
         1, "PPO epochs (mu): passes over each rollout batch; > 1 computes the trainer's old log-probs once "
         "before the first update, and the clip then acts (choice: 1, on-policy)", ge=1)

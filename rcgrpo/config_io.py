@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import kernels
 from rcgrpo.config import Config, ConfigError, all_keys
 
 try:
@@ -34,6 +35,20 @@ SYNONYMS = {
 # be resumed and its models evaluated; a flag naming one is told why.
 RETIRED = {"run.log_every": "metric lines are written every step",
            "run.grad_accum": "a step accumulates the micro-batches its batch needs (run.micro_batch_tokens sizes them)"}
+# Settings given a new name -> (that name, the old value read as a new one).
+# Saved configs of earlier runs hold the old name: reading them maps it, so
+# that such a run can be resumed; a flag naming it is told the new name.
+def _advantage_estimator_name(value: Any) -> Any:
+    """advantage_scale's "group" / "none" are the estimators grpo / dr_grpo."""
+    try:
+        return kernels.get_advantage_estimator(value).name
+    except ValueError:
+        return value  # the setting's own check refuses it, in one line
+
+
+RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "grpo.advantage_scale": ("grpo.advantage_estimator", _advantage_estimator_name),
+}
 # Every dotted key -> (type, help). The schema is fixed, so it is walked once.
 KEYS = all_keys()
 # Every section ("grpo", "model.lora"): a proper dotted prefix of some key.
@@ -44,6 +59,8 @@ def unknown_setting(key: str, known: Sequence[str], where: str) -> ConfigError:
     """The error for a key that is not a setting, naming the likeliest one meant."""
     if key in RETIRED:
         return ConfigError(f"{key!r} ({where}) is no longer a setting: {RETIRED[key]}")
+    if key in RENAMED:
+        return ConfigError(f"{key!r} ({where}) is now called {RENAMED[key][0]!r}")
     head, _, last = key.rpartition(".")
     syn = SYNONYMS.get(last.lower())
     if syn:
@@ -116,6 +133,9 @@ def apply_settings(cfg: Config, table: dict, where: str, prefix: str = "") -> No
         key = prefix + str(k)
         if key in RETIRED:
             continue
+        if key in RENAMED:
+            key, rename = RENAMED[key]
+            v = rename(v)
         if isinstance(v, dict):
             if key not in SECTIONS:
                 raise unknown_setting(key, [x.rsplit(".", 1)[0] for x in KEYS] + list(KEYS), where)

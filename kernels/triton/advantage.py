@@ -1,4 +1,5 @@
-"""Group-normalised advantages, (R - mean_g) / (std_g + eps), in one launch.
+"""Group-relative advantages, k (R - mean_g) / d, in one launch (the
+estimators and their k and d: ``kernels/advantage_estimators.py``).
 
 One program per sequence scans all S rewards for the members of its group
 (masked, BLOCK at a time). That is O(S^2 / BLOCK) loads, which for the
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..advantage_estimators import get_advantage_estimator
 from .common import interpreting
 
 
@@ -36,7 +38,7 @@ def _group_scan(R, G, S, gi, pivot, mean, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _adv_fwd_kernel(R, G, OUT, MEAN, STD, S, eps, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _adv_fwd_kernel(R, G, OUT, MEAN, STD, S, eps, ddof, loo, SCALE: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     gi = tl.load(G + i)
     # The group's first member is its pivot, so every member computes the
@@ -55,17 +57,20 @@ def _adv_fwd_kernel(R, G, OUT, MEAN, STD, S, eps, SCALE: tl.constexpr, BLOCK: tl
     std = tl.zeros_like(mean)
     if SCALE:
         _, _, sq = _group_scan(R, G, S, gi, pivot, mean, BLOCK)
-        std = tl.sqrt(sq / cnt)
+        std = tl.sqrt(sq / tl.maximum(cnt - ddof, 1.0))
         adv = adv / (std + eps)
+    if loo:  # RLOO: R - mean of the others = n / (n - 1) * (R - mean)
+        adv = adv * (cnt / tl.maximum(cnt - 1.0, 1.0))
     tl.store(OUT + i, adv)
     tl.store(MEAN + i, mean)
     tl.store(STD + i, std)
 
 
 @triton.jit
-def _adv_bwd_kernel(R, G, GRAD, MEAN, STD, DR, S, eps, SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """dR_i = (g_i - mean_g(g)) / (std + eps) - x_i * sum_g(g x) / (n std (std + eps)^2),
-    x = R - mean; the second term vanishes for a constant group (x == 0)."""
+def _adv_bwd_kernel(R, G, GRAD, MEAN, STD, DR, S, eps, ddof, loo, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """dR_i = k [(g_i - mean_g(g)) / (std + eps) - x_i * sum_g(g x) / ((n - ddof) std (std + eps)^2)],
+    x = R - mean, k the leave-one-out factor; the second term vanishes for a
+    constant group (x == 0) and is absent without the std."""
     i = tl.program_id(0)
     gi = tl.load(G + i)
     mean = tl.load(MEAN + i)
@@ -89,7 +94,10 @@ def _adv_bwd_kernel(R, G, GRAD, MEAN, STD, DR, S, eps, SCALE: tl.constexpr, BLOC
         x_i = tl.load(R + i).to(tl.float32) - mean
         denom = std + eps
         safe_std = tl.where(std > 0, std, 1.0)
-        d = d / denom - tl.where(std > 0, x_i * tl.sum(gx, 0) / (n * safe_std * denom * denom), 0.0)
+        dof = tl.maximum(n - ddof, 1.0)
+        d = d / denom - tl.where(std > 0, x_i * tl.sum(gx, 0) / (dof * safe_std * denom * denom), 0.0)
+    if loo:
+        d = d * (n / tl.maximum(n - 1.0, 1.0))
     tl.store(DR + i, d)
 
 
@@ -99,17 +107,20 @@ def _block(num: int) -> int:
 
 class GroupAdvantages(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rewards, seq_group, eps, scale):
+    def forward(ctx, rewards, seq_group, eps, estimator):
+        est = get_advantage_estimator(estimator)
         r = rewards.reshape(-1).contiguous()
         g = seq_group.reshape(-1).contiguous()
         s = r.numel()
         out = torch.empty(s, dtype=torch.float32, device=r.device)
         mean = torch.empty_like(out)
         std = torch.empty_like(out)
+        # ddof and leave-one-out are run-time scalars: no extra compiled variants.
+        consts = (float(est.ddof), int(est.leave_one_out))
         if s > 0:
-            _adv_fwd_kernel[(s,)](r, g, out, mean, std, s, eps, SCALE=scale == "group", BLOCK=_block(s))
+            _adv_fwd_kernel[(s,)](r, g, out, mean, std, s, eps, *consts, SCALE=est.scale_by_std, BLOCK=_block(s))
         ctx.save_for_backward(r, g, mean, std)
-        ctx.eps, ctx.scale, ctx.dtype = eps, scale, rewards.dtype
+        ctx.eps, ctx.consts, ctx.scale, ctx.dtype = eps, consts, est.scale_by_std, rewards.dtype
         return out
 
     @staticmethod
@@ -118,12 +129,11 @@ class GroupAdvantages(torch.autograd.Function):
         s = r.numel()
         dr = torch.empty(s, dtype=torch.float32, device=r.device)
         if s > 0:
-            _adv_bwd_kernel[(s,)](r, g, grad.contiguous(), mean, std, dr, s, ctx.eps,
-                                  SCALE=ctx.scale == "group", BLOCK=_block(s))
+            _adv_bwd_kernel[(s,)](r, g, grad.contiguous(), mean, std, dr, s, ctx.eps, *ctx.consts,
+                                  SCALE=ctx.scale, BLOCK=_block(s))
         return dr.to(ctx.dtype), None, None, None
 
 
-def group_advantages(rewards, seq_group, eps=1e-6, scale="group"):
-    if scale not in ("group", "none"):
-        raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
-    return GroupAdvantages.apply(rewards, seq_group, float(eps), scale)
+def group_advantages(rewards, seq_group, eps=1e-6, estimator="grpo"):
+    get_advantage_estimator(estimator)
+    return GroupAdvantages.apply(rewards, seq_group, float(eps), estimator)

@@ -123,29 +123,62 @@ def sequence_of(cu_ptr, pos, num_seqs, N_ITERS: tl.constexpr):
 
 
 @triton.jit
-def grpo_token(logp, old, ref, adv, eps_low, eps_high, beta, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr):
+def kl_base(x, base):
+    """The KL base formula ``base`` (an index into ``kernels.kl_estimators.BASES``:
+    k1, abs, k2, k3) at x = logp - ref. Selected by where: no branch per variant."""
+    return tl.where(base == 0, x, tl.where(base == 1, tl.abs(x), tl.where(base == 2, 0.5 * x * x,
+                                                                          tl.exp(-x) + x - 1.0)))
+
+
+@triton.jit
+def kl_base_grad(x, base):
+    """d/dlogp of ``kl_base(x, base)``."""
+    sign = tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+    return tl.where(base == 0, 1.0, tl.where(base == 1, sign, tl.where(base == 2, x, 1.0 - tl.exp(-x))))
+
+
+@triton.jit
+def grpo_token(logp, old, ref, adv, eps_low, eps_high, beta, clip_c, lr_clamp, stat_clamp, kl_clamp, kl_value,
+               kl_grad, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, DUAL_CLIP: tl.constexpr):
     """Per-token clipped objective and its derivative w.r.t. logp (fp32).
 
-    Mirrors ``kernels.chunked.grpo_token_terms``: the policy-gradient part has
-    derivative 0 exactly where the clipped branch of the min is active.
-    Returns (loss, dloss, is_clipped, kl).
+    Mirrors ``kernels.objective.token_terms`` (the scalars are
+    ``Objective.triton_args``; an unset clamp is +inf): the policy-gradient
+    part has derivative 0 exactly where the clipped branch of the min (or the
+    dual clip) is active. min/max/clamp propagate NaN, so a NaN input on a
+    loss token gives a NaN loss, as on the other paths (Triton's default
+    returns the other operand). A clamp's derivative is a 1/0 factor that
+    multiplies, so NaN stays NaN there too.
+    Returns (loss, dloss, is_clipped, is_dual, kl statistic).
     """
+    through = tl.full(logp.shape, 1.0, tl.float32)
     if HAS_OLD:
-        ratio = tl.exp(logp - old)
+        x = logp - old
+        through = tl.where(tl.abs(x) <= lr_clamp, 1.0, 0.0)
+        ratio = tl.exp(tl.clamp(x, -lr_clamp, lr_clamp, propagate_nan=tl.PropagateNan.ALL))
     else:
         ratio = tl.full(logp.shape, 1.0, tl.float32)
     lo = 1.0 - eps_low
     hi = 1.0 + eps_high
-    clipped_ratio = tl.minimum(tl.maximum(ratio, lo), hi)
+    clipped_ratio = tl.clamp(ratio, lo, hi, propagate_nan=tl.PropagateNan.ALL)
     is_clipped = ((ratio > hi) & (adv > 0)) | ((ratio < lo) & (adv < 0))
-    loss = -tl.minimum(ratio * adv, clipped_ratio * adv)
-    dloss = tl.where(is_clipped, 0.0, -adv * ratio)
+    loss = -tl.minimum(ratio * adv, clipped_ratio * adv, propagate_nan=tl.PropagateNan.ALL)
+    dloss = tl.where(is_clipped, 0.0, -adv * ratio) * through
+    is_dual = is_clipped & False
+    if DUAL_CLIP:
+        is_dual = (adv < 0) & (ratio > clip_c)
+        loss = tl.where(is_dual, -adv * clip_c, loss)
+        dloss = tl.where(is_dual, 0.0, dloss)
     kl = tl.zeros_like(logp)
     if HAS_REF:
-        d = ref - logp
-        ed = tl.exp(d)
-        kl = ed - d - 1.0
+        d = logp - ref
+        stat = kl_base(tl.clamp(d, -stat_clamp, stat_clamp, propagate_nan=tl.PropagateNan.ALL), kl_value)
+        kl = tl.clamp(stat, -kl_clamp, kl_clamp, propagate_nan=tl.PropagateNan.ALL)
         if beta != 0.0:  # keeps an infinite KL out of the loss when it is unweighted
-            loss = loss + beta * kl
-            dloss = dloss + beta * (1.0 - ed)
-    return loss, dloss, is_clipped, kl
+            dc = tl.clamp(d, -lr_clamp, lr_clamp, propagate_nan=tl.PropagateNan.ALL)
+            value = kl_base(dc, kl_value)
+            grad = kl_base_grad(dc, kl_grad) * tl.where(tl.abs(d) <= lr_clamp, 1.0, 0.0)
+            grad = grad * tl.where(tl.abs(value) <= kl_clamp, 1.0, 0.0)
+            loss = loss + beta * tl.clamp(value, -kl_clamp, kl_clamp, propagate_nan=tl.PropagateNan.ALL)
+            dloss = dloss + beta * grad
+    return loss, dloss, is_clipped, is_dual, kl

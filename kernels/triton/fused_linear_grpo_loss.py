@@ -17,15 +17,17 @@ import triton
 import triton.language as tl
 
 from .. import loss_types, packing
+from ..objective import Objective
 from .common import grpo_token, interpreting, search_iters, sequence_of
 from .fused_linear_logprob import as_compute_pair, combine_partials, forward_partials, linear_logprobs_backward
 
 
 @triton.jit
 def _grpo_epilogue_kernel(PM, PS, PZT, PEZ, n_splits, POS, CU, ADV, WSEQ, OLD, REF, TOKW,
-                          LSE, COEF, LOSS_TOK, CLIP_TOK, KL_TOK, ENT_TOK, M, S,
-                          eps_low, eps_high, beta, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr,
-                          HAS_TOKW: tl.constexpr, WANT_ENT: tl.constexpr, N_ITERS: tl.constexpr,
+                          LSE, COEF, LOSS_TOK, CLIP_TOK, DUAL_TOK, KL_TOK, ENT_TOK, M, S,
+                          eps_low, eps_high, beta, clip_c, lr_clamp, stat_clamp, kl_clamp, kl_value, kl_grad,
+                          HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_TOKW: tl.constexpr,
+                          DUAL_CLIP: tl.constexpr, WANT_ENT: tl.constexpr, N_ITERS: tl.constexpr,
                           BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # 1-D grid over loss tokens
     row_ok = rows < M
@@ -43,11 +45,15 @@ def _grpo_epilogue_kernel(PM, PS, PZT, PEZ, n_splits, POS, CU, ADV, WSEQ, OLD, R
         old = tl.load(OLD + rows, mask=row_ok, other=0.0)
     if HAS_REF:
         ref = tl.load(REF + rows, mask=row_ok, other=0.0)
-    loss, dloss, clipped, kl = grpo_token(logp, old, ref, adv, eps_low, eps_high, beta, HAS_OLD, HAS_REF)
+    loss, dloss, clipped, dual, kl = grpo_token(logp, old, ref, adv, eps_low, eps_high, beta, clip_c, lr_clamp,
+                                                stat_clamp, kl_clamp, kl_value, kl_grad, HAS_OLD, HAS_REF,
+                                                DUAL_CLIP)
     tl.store(LSE + rows, lse, mask=row_ok)
     tl.store(COEF + rows, dloss * w, mask=row_ok)
     tl.store(LOSS_TOK + rows, loss * w, mask=row_ok)
     tl.store(CLIP_TOK + rows, tl.where(clipped, 1.0, 0.0), mask=row_ok)
+    if DUAL_CLIP:
+        tl.store(DUAL_TOK + rows, tl.where(dual, 1.0, 0.0), mask=row_ok)
     if HAS_REF:
         tl.store(KL_TOK + rows, kl, mask=row_ok)
     if WANT_ENT:
@@ -57,7 +63,7 @@ def _grpo_epilogue_kernel(PM, PS, PZT, PEZ, n_splits, POS, CU, ADV, WSEQ, OLD, R
 class FusedLinearGrpoLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-                eps_low, eps_high, beta, temperature, loss_type, max_tokens, compute_entropy, token_weights):
+                objective, temperature, loss_type, max_tokens, compute_entropy, token_weights):
         n = hidden.shape[0]
         dev = hidden.device
         mask = loss_mask.reshape(-1).bool()
@@ -74,6 +80,7 @@ class FusedLinearGrpoLoss(torch.autograd.Function):
 
         f32 = dict(dtype=torch.float32, device=dev)
         lse, coef, loss_tok, clip_tok = (torch.empty(m, **f32) for _ in range(4))
+        dual_tok = torch.empty(m, **f32) if objective.dual_clip else lse
         kl_tok = torch.empty(m, **f32) if ref is not None else lse
         ent_tok = torch.empty(m, **f32) if compute_entropy else lse
         if m > 0:
@@ -84,12 +91,14 @@ class FusedLinearGrpoLoss(torch.autograd.Function):
                 advantages.detach().reshape(-1).float().contiguous(), w_seq,
                 old.contiguous() if old is not None else lse, ref.contiguous() if ref is not None else lse,
                 tokw.contiguous() if tokw is not None else lse,
-                lse, coef, loss_tok, clip_tok, kl_tok, ent_tok, m, counts.numel(), eps_low, eps_high, beta,
-                HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_TOKW=tokw is not None,
-                WANT_ENT=bool(compute_entropy),
+                lse, coef, loss_tok, clip_tok, dual_tok, kl_tok, ent_tok, m, counts.numel(),
+                **objective.triton_args(), HAS_OLD=old is not None, HAS_REF=ref is not None,
+                HAS_TOKW=tokw is not None, DUAL_CLIP=objective.dual_clip, WANT_ENT=bool(compute_entropy),
                 N_ITERS=search_iters(counts.numel()), BLOCK=blk)
         denom = float(max(m, 1))
         stats = [clip_tok.sum() / denom]
+        if objective.dual_clip:
+            stats.append(dual_tok.sum() / denom)
         if ref is not None:
             stats.append(kl_tok.sum() / denom)
         if compute_entropy:
@@ -114,17 +123,17 @@ class FusedLinearGrpoLoss(torch.autograd.Function):
             dhidden,
             None if dw is None else dw.to(w_dtype),
             None if db is None else db.to(bias.dtype),
-        ) + (None,) * 14
+        ) + (None,) * 12
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp=None,
                            ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, temperature=1.0,
                            loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False,
-                           token_weights=None):
+                           token_weights=None, clip_ratio_c=None, kl_estimator="k3", log_ratio_clamp=None,
+                           kl_clamp=None):
     loss_types.get_loss_type(loss_type)
+    objective = Objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp)
     loss, *vals = FusedLinearGrpoLoss.apply(
-        hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-        float(eps_low), float(eps_high), float(beta), float(temperature), loss_type, max_tokens,
-        bool(compute_entropy), token_weights)
-    keys = ["clip_frac"] + (["kl"] if ref_logp is not None else []) + (["entropy"] if compute_entropy else [])
-    return loss, dict(zip(keys, vals))
+        hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp, objective,
+        float(temperature), loss_type, max_tokens, bool(compute_entropy), token_weights)
+    return loss, dict(zip(objective.stat_keys(ref_logp is not None, compute_entropy), vals))

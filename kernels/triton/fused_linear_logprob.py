@@ -65,11 +65,14 @@ def lse_partial(H, stride_h, W, stride_w, BIAS, targets, rows, row_ok, v_lo, v_h
             acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         z = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 1))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(z - m_new[:, None])
+        # A tile whose logits are all -inf so far (an lm_head bias of -inf)
+        # would give -inf - -inf = NaN: shift by 0 there instead.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - shift)
+        e = tl.exp(z - shift[:, None])
         s = s * alpha + tl.sum(e, 1)
         if WANT_ENT:
-            ez = ez * alpha + tl.sum(e * tl.where(col_ok[None, :], z, 0.0), 1)
+            ez = ez * alpha + tl.sum(e * tl.where(e > 0.0, z, 0.0), 1)  # 0 log 0 = 0 (masked or -inf logits)
         m = m_new
         zt += tl.sum(tl.where(cols[None, :] == targets[:, None], z, 0.0), 1)
     return m, s, zt, ez
@@ -431,7 +434,7 @@ def linear_logprobs_backward(h, w, bias, targets, lse, coef, inv_temp, need_h, n
             else:
                 dw += part
         if need_b:
-            part = dz.float().sum(0)
+            part = dz.sum(0, dtype=torch.float32)  # fp32 accumulator, no fp32 copy of the chunk
             db = part if db is None else db.add_(part)
     return dh, dw, db
 

@@ -22,7 +22,10 @@ def _logprob_fwd_kernel(LOGITS, stride_row, TARGETS, LOGP, LSE, V, inv_temp, BLO
         cols = v0 + tl.arange(0, BLOCK_V)
         z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
         m_new = tl.maximum(m, tl.max(z, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        # While every logit so far is -inf (a top-k / top-p masked row's
+        # leading blocks), -inf - -inf would be NaN: shift by 0 instead.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), 0)
         m = m_new
         zt += tl.sum(tl.where(cols == target, z, 0.0), 0)
     lse = m + tl.log(s)

@@ -112,7 +112,7 @@ def to_trajectories(rollouts) -> list[Trajectory]:
 class UpdateSettings:
     """How one step's rollout batch becomes optimizer steps (GrpoConfig's
     update settings, without the rest of the config)."""
-    advantage_scale: str = "group"
+    advantage_estimator: str = "grpo"
     updates_per_batch: int = 1  # PPO epochs, mu
     mini_batches: int = 1  # optimizer steps per pass
     tis_cap: float | None = None  # truncated importance sampling; None = off
@@ -122,7 +122,7 @@ class UpdateSettings:
 
     @classmethod
     def from_config(cls, g, seed: int) -> "UpdateSettings":
-        return cls(g.advantage_scale, g.updates_per_batch, g.mini_batches, g.tis_cap,
+        return cls(g.advantage_estimator, g.updates_per_batch, g.mini_batches, g.tis_cap,
                    bool(g.loss_over_informative_groups or g.dynamic_sampling), g.max_grad_norm, seed)
 
     @property
@@ -186,7 +186,7 @@ def tis_weights(trainer_old: torch.Tensor, engine_logp: torch.Tensor, cap: float
     return torch.where(mask, w, torch.ones_like(w)).detach()
 
 
-def prepare_batch(trajectories: Sequence[Trajectory], device: torch.device, advantage_scale: str,
+def prepare_batch(trajectories: Sequence[Trajectory], device: torch.device, advantage_estimator: str,
                   informative_only: bool) -> tuple[PackedBatch | None, torch.Tensor]:
     """This rank's packed batch with group advantages attached (None when it
     is left empty), and every advantage (for the step's statistics).
@@ -194,7 +194,7 @@ def prepare_batch(trajectories: Sequence[Trajectory], device: torch.device, adva
     if not trajectories:
         return None, torch.zeros(0)
     full = pack(trajectories).to(device)
-    advantages = kernels.group_advantages(full.rewards, full.seq_group, scale=advantage_scale)
+    advantages = kernels.group_advantages(full.rewards, full.seq_group, estimator=advantage_estimator)
     full = dataclasses.replace(full, advantages=advantages, old_logp=None)
     if informative_only:
         keep = torch.nonzero(informative_sequences(full)).reshape(-1).tolist()
@@ -278,6 +278,7 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
     # log-probs are then the policy's own, read off this pass's hidden states
     # by one LM-head pass over the loss rows instead of a second decoder pass.
     own_reference = settings.beta > 0 and policy.equals_reference
+    summing = None if kernels.get_loss_type(settings.loss_type).divides else max(counts["loss_tokens"], 1)
     for micro, padding in lockstep(micros, ctx.device):
         if settings.beta > 0 and not own_reference:
             micro = dataclasses.replace(
@@ -305,8 +306,11 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
         if padding:
             continue
         sums["loss"] += float(loss.detach()) * weight
+        # Statistics are per-token means: a sum loss's parts (weight 1 each)
+        # average them by their share of the loss tokens instead.
+        stat_weight = weight if summing is None else micro.num_loss_tokens / summing
         for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + float(value) * weight
+            sums[key] = sums.get(key, 0.0) + float(value) * stat_weight
     out = distributed.all_reduce_sum(dict(sums))
     for key in TOKEN_COUNTS:
         out[key] = round(counts[key])
@@ -321,13 +325,13 @@ def _advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
 
 
 def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[Trajectory],
-              settings: RLLossSettings, advantage_scale: str, *, tis_cap: float | None = None,
+              settings: RLLossSettings, advantage_estimator: str, *, tis_cap: float | None = None,
               informative_only: bool = False) -> dict[str, float]:
     """The on-policy update's gradient (one pass, no optimizer step) with the
     engine/trainer agreement of its tokens. Leaves the policy in train mode,
     dropout off (as `rl_step`)."""
     policy.train_mode(dropout=False)
-    batch, advantages = prepare_batch(trajectories, ctx.device, advantage_scale, informative_only)
+    batch, advantages = prepare_batch(trajectories, ctx.device, advantage_estimator, informative_only)
     agreement = Agreement()
     out = accumulate_gradients(ctx, policy, batch, settings, tis_cap, agreement)
     return {**out, **agreement.summary(tis_cap is not None), **_advantage_stats(advantages)}
@@ -371,7 +375,8 @@ def rl_step(ctx: RunContext, policy: TrainablePolicy, optimizer, scheduler, traj
     After the first update a zero-advantage batch with beta > 0 still trains
     on its KL term (the paper's loss)."""
     policy.train_mode(dropout=False)
-    batch, advantages = prepare_batch(trajectories, ctx.device, update.advantage_scale, update.informative_only)
+    batch, advantages = prepare_batch(trajectories, ctx.device, update.advantage_estimator,
+                                      update.informative_only)
     out: dict[str, float] = {**_advantage_stats(advantages), "updates": 0, "update_skipped": 1}
     local_tokens = 0 if batch is None else batch.num_loss_tokens
     if distributed.all_reduce_max(local_tokens) == 0:
@@ -550,9 +555,7 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
     optimizer, scheduler = make_optimizer(policy, g.lr, g.weight_decay,
                                           g.steps * g.updates_per_batch * g.mini_batches, 0.0)
     start = ctx.resume(stage, policy, optimizer, scheduler)
-    settings = RLLossSettings(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type,
-                              max_tokens=(float(g.max_total_tokens)
-                                          if kernels.get_loss_type(g.loss_type).scaled_by_max_tokens else None))
+    settings = RLLossSettings.from_config(g)
     conditioning = rl_rollout_conditioning(stage, finetune_stage, g.p_high)
     probe = RewardProbe(ctx, stage, policy, engine, entries, finetune_stage)
     last = {}

@@ -21,12 +21,31 @@ from rcgrpo.policy import PackedLM, TrainablePolicy
 
 @dataclass(frozen=True)
 class RLLossSettings:
+    """The RL loss's settings (GrpoConfig's, without the rest of the config);
+    see kernels.grpo_loss for each."""
     eps_low: float = 0.2
     eps_high: float = 0.2
     beta: float = 0.1
     temperature: float = 1.0
     loss_type: str = "grpo"
-    max_tokens: float | None = None  # dr_grpo's constant
+    max_tokens: float | None = None  # the constant of the loss types scaled by a token budget
+    kl_estimator: str = "k3"
+    clip_ratio_c: float | None = None  # dual clip; None = off
+    log_ratio_clamp: float | None = None
+    kl_clamp: float | None = None
+
+    @classmethod
+    def from_config(cls, g) -> "RLLossSettings":
+        # A token budget, where the loss type divides by one: the trajectory's.
+        budget = float(g.max_total_tokens) if kernels.get_loss_type(g.loss_type).scaled_by_max_tokens else None
+        return cls(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type, budget, g.kl_estimator,
+                   g.clip_ratio_c, g.log_ratio_clamp, g.kl_clamp)
+
+    def kernel_kwargs(self) -> dict:
+        """The keyword arguments every kernels loss takes from these settings."""
+        return dict(eps_low=self.eps_low, eps_high=self.eps_high, beta=self.beta, loss_type=self.loss_type,
+                    max_tokens=self.max_tokens, kl_estimator=self.kl_estimator, clip_ratio_c=self.clip_ratio_c,
+                    log_ratio_clamp=self.log_ratio_clamp, kl_clamp=self.kl_clamp)
 
 
 def token_logprobs(lm: PackedLM, batch: PackedBatch, fused: bool, temperature: float = 1.0,
@@ -74,7 +93,8 @@ def current_logprobs(lm: PackedLM, batch: PackedBatch, fused: bool, temperature:
 def rl_loss(lm: PackedLM, batch: PackedBatch, settings: RLLossSettings, fused: bool,
             entropy: bool = True, hidden: torch.Tensor | None = None,
             token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped GRPO loss with k3 KL to `batch.ref_logp` (when beta > 0).
+    """Clipped GRPO loss with the KL estimator's penalty to `batch.ref_logp`
+    (when beta > 0).
 
     `batch.old_logp` None means the rollouts came from the current weights
     (one update per rollout batch): ratio 1, gradient -A, as in GRPO.
@@ -84,24 +104,18 @@ def rl_loss(lm: PackedLM, batch: PackedBatch, settings: RLLossSettings, fused: b
     if batch.advantages is None:
         raise ValueError("attach group advantages to the batch before the loss")
     ref = batch.ref_logp if settings.beta > 0 else None
-    common = dict(
-        old_logp=batch.old_logp, ref_logp=ref, eps_low=settings.eps_low, eps_high=settings.eps_high,
-        beta=settings.beta, loss_type=settings.loss_type, token_weights=token_weights,
-    )
     hidden = lm.hidden_states(batch) if hidden is None else hidden
     if fused:
         return kernels.fused_linear_grpo_loss(
             hidden, lm.lm_head_weight(), batch.targets, batch.advantages, batch.loss_mask, batch.cu_seqlens,
-            temperature=settings.temperature, max_tokens=settings.max_tokens,
-            compute_entropy=entropy, **common,
+            old_logp=batch.old_logp, ref_logp=ref, temperature=settings.temperature, compute_entropy=entropy,
+            token_weights=token_weights, **settings.kernel_kwargs(),
         )
     logits = lm.logits(hidden).float() / settings.temperature
     logp = kernels.token_logprobs(logits, batch.targets, 1.0, impl="reference")
     loss, stats = kernels.grpo_loss(
         logp, batch.old_logp, ref, batch.advantages, batch.loss_mask, batch.cu_seqlens,
-        eps_low=settings.eps_low, eps_high=settings.eps_high, beta=settings.beta,
-        loss_type=settings.loss_type, max_tokens=settings.max_tokens, token_weights=token_weights,
-        impl="reference",
+        token_weights=token_weights, impl="reference", **settings.kernel_kwargs(),
     )
     if entropy:
         with torch.no_grad():

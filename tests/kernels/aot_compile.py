@@ -146,13 +146,14 @@ def run_workload(first_round: bool = True):
 
         rewards = torch.randn(s, dtype=dtype, requires_grad=True)
         groups = torch.tensor([0, 0, 1, 1, 1])
-        for scale in ("group", "none"):
-            advantage.group_advantages(rewards, groups, 1e-6, scale).sum().backward()
+        for estimator in ("grpo", "dr_grpo"):  # with and without the std (the others differ in run-time scalars)
+            advantage.group_advantages(rewards, groups, 1e-6, estimator).sum().backward()
 
         adv = torch.randn(s)
         lp = torch.randn(n, dtype=dtype, requires_grad=True)
         old, ref = torch.randn(n), torch.randn(n)
-        tw = _with_optional(loss.grpo_loss, token_weights=torch.rand(n))
+        # the third call: truncated IS weights and the dual clip (a constexpr)
+        tw = _with_optional(loss.grpo_loss, token_weights=torch.rand(n), clip_ratio_c=3.0)
         for o, r, extra in ((None, None, {}), (old, ref, {}), (old, ref, tw)):
             out, _ = loss.grpo_loss(lp, o, r, adv, mask, cu, 0.2, 0.2, 0.04 if r is not None else 0.0,
                                     "grpo", **extra)
@@ -165,7 +166,8 @@ def run_workload(first_round: bool = True):
         biases = (None, bias) if dtype == torch.bfloat16 and first_round else (None,)
         for b in biases:
             fused_linear_logprob.fused_linear_logprobs(hidden, weight, targets, 0.9, b).sum().backward()
-        tw = _with_optional(fused_linear_grpo_loss.fused_linear_grpo_loss, token_weights=torch.rand(n))
+        tw = _with_optional(fused_linear_grpo_loss.fused_linear_grpo_loss, token_weights=torch.rand(n),
+                            clip_ratio_c=3.0)
         for o, r, b, ent, extra in ((None, None, None, False, {}), (old, ref, None, True, {}),
                                     (old, ref, biases[-1], False, tw)):
             out, _ = fused_linear_grpo_loss.fused_linear_grpo_loss(

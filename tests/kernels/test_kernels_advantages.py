@@ -1,11 +1,14 @@
-"""group_advantages: by-hand values, every path against the reference,
-constant groups exactly 0 with finite gradients."""
+"""group_advantages: every registered estimator by hand, every path against
+the reference, constant groups (and groups of one) exactly 0 with finite
+gradients."""
 
 import pytest
 import torch
 from kernels_testlib import DEVICE, DTYPES, FAST_IMPLS, IMPLS, assert_close, triton_ready
 
 import kernels
+
+ESTIMATORS = tuple(kernels.ADVANTAGE_ESTIMATORS)
 
 
 def _run(impl, rewards, groups, **kw):
@@ -14,14 +17,40 @@ def _run(impl, rewards, groups, **kw):
     return kernels.group_advantages(rewards, groups, impl=impl, **kw)
 
 
-def test_reference_by_hand():
-    r = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0])
-    g = torch.tensor([7, 7, 7, -2, -2])
-    std = (2.0 / 3.0) ** 0.5  # population std of 1, 2, 3
-    want = torch.tensor([-1 / (std + 1e-6), 0.0, 1 / (std + 1e-6), 0.0, 0.0])
-    torch.testing.assert_close(kernels.group_advantages(r, g, impl="reference"), want)
-    torch.testing.assert_close(kernels.group_advantages(r, g, scale="none", impl="reference"),
-                               torch.tensor([-1.0, 0.0, 1.0, 0.0, 0.0]))
+def test_registry():
+    assert ESTIMATORS == ("grpo", "grpo_ddof1", "dr_grpo", "rloo")
+    assert kernels.get_advantage_estimator("group").name == "grpo"  # the former scale= values
+    assert kernels.get_advantage_estimator("none").name == "dr_grpo"
+    with pytest.raises(ValueError, match=r"advantage estimator must be one of \('grpo', 'grpo_ddof1', 'dr_grpo', "
+                                         r"'rloo'\), got 'gae'"):
+        kernels.get_advantage_estimator("gae")
+    with pytest.raises(ValueError, match="already registered"):
+        kernels.register_advantage_estimator(kernels.AdvantageEstimator("rloo", False))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_each_estimator_by_hand(impl):
+    r = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 4.0], device=DEVICE)
+    g = torch.tensor([7, 7, 7, -2, -2, 5], device=DEVICE)  # a spread group, a constant one, a group of one
+    pop, sample = (2.0 / 3.0) ** 0.5, 1.0  # std of 1, 2, 3 with ddof 0 and 1
+    want = {
+        "grpo": [-1 / (pop + 1e-6), 0.0, 1 / (pop + 1e-6)],
+        "grpo_ddof1": [-1 / (sample + 1e-6), 0.0, 1 / (sample + 1e-6)],
+        "dr_grpo": [-1.0, 0.0, 1.0],
+        "rloo": [1.0 - 2.5, 2.0 - 2.0, 3.0 - 1.5],  # R minus the mean of the other two
+    }
+    for name, first_group in want.items():
+        got = _run(impl, r, g, estimator=name)
+        assert_close(got, torch.tensor(first_group + [0.0, 0.0, 0.0]), what=name)
+
+
+def test_scale_keyword_still_works():
+    r, g = torch.tensor([1.0, 3.0]), torch.tensor([0, 0])
+    with pytest.warns(DeprecationWarning, match="estimator="):
+        got = kernels.group_advantages(r, g, scale="none")
+    torch.testing.assert_close(got, torch.tensor([-1.0, 1.0]))
+    # positional "group" / "none" are the aliases, no warning
+    torch.testing.assert_close(kernels.group_advantages(r, g, 1e-6, "none"), got)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -29,30 +58,31 @@ def test_reference_by_hand():
 def test_constant_group_is_exactly_zero(impl, value):
     r = torch.full((6,), value, device=DEVICE, requires_grad=True)
     g = torch.tensor([0, 0, 0, 1, 1, 2], device=DEVICE)  # incl. a group of one
-    for scale in ("group", "none"):
-        adv = _run(impl, r, g, scale=scale)
-        assert (adv == 0).all(), adv
+    for estimator in ESTIMATORS:
+        adv = _run(impl, r, g, estimator=estimator)
+        assert (adv == 0).all(), (estimator, adv)
         (grad,) = torch.autograd.grad((adv * torch.arange(6.0, device=DEVICE)).sum(), r)
-        assert torch.isfinite(grad).all()
+        assert torch.isfinite(grad).all(), estimator
 
 
 @pytest.mark.parametrize("impl", FAST_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scale", ["group", "none"])
-def test_matches_reference(impl, dtype, scale):
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_matches_reference(impl, dtype, estimator):
     gen = torch.Generator().manual_seed(0)
     s = 45  # more than one interpreter block of 32
     rewards = torch.randn(s, generator=gen).to(DEVICE, dtype)
     groups = torch.randint(0, 9, (s,), generator=gen).to(DEVICE) * 13 - 40  # arbitrary, negative ids
     rewards[groups == groups[0]] = rewards[0]  # one constant group
+    groups[-1] = 999  # and a group of one
     upstream = torch.randn(s, generator=gen).to(DEVICE)
     r_ref = rewards.detach().clone().requires_grad_()
     r = rewards.detach().clone().requires_grad_()
     # eps=1e-2: a constant group's gradient is ~1/eps and would overflow fp16
-    want = kernels.group_advantages(r_ref, groups, 1e-2, scale, impl="reference")
-    got = _run(impl, r, groups, eps=1e-2, scale=scale)
+    want = kernels.group_advantages(r_ref, groups, 1e-2, estimator, impl="reference")
+    got = _run(impl, r, groups, eps=1e-2, estimator=estimator)
     assert got.dtype == torch.float32
-    assert (got[groups == groups[0]] == 0).all()
+    assert (got[groups == groups[0]] == 0).all() and got[-1] == 0
     assert_close(got, want, torch.float32, "advantages")
     (want * upstream).sum().backward()
     (got * upstream).sum().backward()
@@ -69,6 +99,15 @@ def test_population_std_and_eps(impl):
     assert_close(adv, torch.tensor([-0.5, 0.5]), what="advantages")
 
 
-def test_bad_scale():
-    with pytest.raises(ValueError):
-        kernels.group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), scale="batch")
+def test_bad_arguments_are_one_line_errors():
+    r, g = torch.zeros(2), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="advantage estimator must be one of"):
+        kernels.group_advantages(r, g, estimator="batch")
+    with pytest.raises(ValueError, match="seq_group has 3 elements, expected 2"):
+        kernels.group_advantages(r, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="seq_group must be an integer tensor"):
+        kernels.group_advantages(r, torch.zeros(2))
+    with pytest.raises(ValueError, match="rewards must be 1-D"):
+        kernels.group_advantages(torch.zeros(2, 1), g)
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+        kernels.group_advantages(r, g, eps=float("nan"))

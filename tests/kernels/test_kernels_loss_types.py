@@ -29,6 +29,10 @@ def test_builtin_sequence_weights_by_hand():
     torch.testing.assert_close(loss_types.sequence_weights(counts, "dapo"), torch.full((4,), 1 / 3))
     torch.testing.assert_close(loss_types.sequence_weights(counts, "dr_grpo"), torch.full((4,), 1 / 8))
     torch.testing.assert_close(loss_types.sequence_weights(counts, "dr_grpo", 10), torch.full((4,), 1 / 40))
+    torch.testing.assert_close(loss_types.sequence_weights(counts, "token-sum"), torch.ones(4))
+    torch.testing.assert_close(loss_types.sequence_weights(counts, "seq-mean-token-sum"), torch.full((4,), 1 / 2))
+    torch.testing.assert_close(loss_types.sequence_weights(counts, "seq-mean-token-sum-norm", 10),
+                               torch.full((4,), 1 / 10))
     # no loss token anywhere, or no sequence at all: every weight is finite
     for lt in kernels.LOSS_TYPES:
         assert torch.isfinite(loss_types.sequence_weights(torch.zeros(3, dtype=torch.long), lt)).all()
@@ -39,12 +43,16 @@ def test_normaliser_counts_the_selected_sequences():
     counts = torch.tensor([3, 0, 2, 5])
     keep = torch.tensor([True, True, False, True])
     got = {name: (int(lt.count(counts)), int(lt.count(counts, keep))) for name, lt in kernels.LOSS_TYPES.items()}
-    assert got == {"grpo": (3, 2), "bnpo": (10, 8), "dapo": (10, 8), "dr_grpo": (4, 3)}
+    assert got == {"grpo": (3, 2), "bnpo": (10, 8), "dapo": (10, 8), "dr_grpo": (4, 3),
+                   "token-sum": (1, 1), "seq-mean-token-sum": (3, 2), "seq-mean-token-sum-norm": (1, 1)}
+    assert [name for name, lt in kernels.LOSS_TYPES.items() if not lt.divides] == [
+        "token-sum", "seq-mean-token-sum-norm"]
 
 
 def test_names_and_errors():
-    assert tuple(kernels.LOSS_TYPES) == ("grpo", "bnpo", "dapo", "dr_grpo")
-    with pytest.raises(ValueError, match=r"loss_type must be one of \('grpo', 'bnpo', 'dapo', 'dr_grpo'\), got 'sum'"):
+    assert tuple(kernels.LOSS_TYPES) == ("grpo", "bnpo", "dapo", "dr_grpo", "token-sum", "seq-mean-token-sum",
+                                         "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match=r"loss_type must be one of \('grpo', .*'seq-mean-token-sum-norm'\), got 'sum'"):
         kernels.get_loss_type("sum")
     with pytest.raises(ValueError, match="already registered"):
         kernels.register_loss_type(kernels.LossType("grpo", lambda c, k: k.sum()))

@@ -50,10 +50,18 @@ def _written_out_loss(p, old, ref, weights, beta, eps_low, eps_high, loss_type, 
     if loss_type == "grpo":
         means = [sum(t) / len(t) for t in per_seq if t]
         return sum(means) / len(means)
+    total = sum(sum(t) for t in per_seq)
     if loss_type in ("bnpo", "dapo"):
-        return sum(sum(t) for t in per_seq) / total_tokens
+        return total / total_tokens
+    if loss_type == "token-sum":
+        return total
+    if loss_type == "seq-mean-token-sum":
+        return total / sum(1 for t in per_seq if t)
     denom = max_tokens if max_tokens is not None else max(len(t) for t in per_seq)
-    return sum(sum(t) for t in per_seq) / (len(per_seq) * denom)
+    if loss_type == "seq-mean-token-sum-norm":
+        return total / denom
+    assert loss_type == "dr_grpo", loss_type
+    return total / (len(per_seq) * denom)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

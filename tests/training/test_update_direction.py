@@ -118,7 +118,7 @@ def random_adapters(policy, scale: float = 0.05) -> None:
 @pytest.mark.slow  # eight RL updates of the tiny model on eight real ~2.3k-token sequences
 @pytest.mark.parametrize("flipped", [False, True], ids=["rewards", "flipped"])
 @pytest.mark.parametrize("path, mode", [("fused", "plain"), ("fused", "ppo_epochs"), ("fused", "lora"),
-                                        ("reference", "plain")])
+                                        ("fused", "verl_dialect"), ("reference", "plain")])
 def test_an_rl_update_moves_each_rollout_with_its_advantage(tmp_path, tokenizer, tiny_folder, groups, path,
                                                             mode, flipped):
     """The expert and the model's own rollouts move in the sign of their
@@ -135,7 +135,11 @@ def test_an_rl_update_moves_each_rollout_with_its_advantage(tmp_path, tokenizer,
     rollout's change follows the tokens it shares with others: the tiny
     model's rollout with ",,,,,,,," (the expert writes ", " between calls)
     rose with the expert's positive advantage for some adapter inits. There
-    the expert and the mean of the model's rollouts are held to the sign."""
+    the expert and the mean of the model's rollouts are held to the sign.
+
+    ``verl_dialect``: the settings a verl user brings (RLOO advantages, the
+    straight-through k3+ KL, dual clip, verl's clamps, seq-mean-token-sum)
+    move every rollout the same way."""
     trajectories, near_misses_at = groups
     # The reference path builds [tokens, vocab] logits: micro-batches of one sequence keep that small.
     flags = (["--fused"] if path == "fused" else ["--run.micro_batch_tokens", "2560"]) + (LORA if mode == "lora" else [])
@@ -151,8 +155,12 @@ def test_an_rl_update_moves_each_rollout_with_its_advantage(tmp_path, tokenizer,
     before = logps(ctx, policy, batch)
     optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
     epochs = 2 if mode == "ppo_epochs" else 1
-    stats = rl_step(ctx, policy, optimizer, scheduler, trajectories, RLLossSettings(beta=0.1),
-                    UpdateSettings(updates_per_batch=epochs))
+    settings, update = RLLossSettings(beta=0.1), UpdateSettings(updates_per_batch=epochs)
+    if mode == "verl_dialect":
+        settings = RLLossSettings(beta=0.1, loss_type="seq-mean-token-sum", kl_estimator="k3+", clip_ratio_c=3.0,
+                                  log_ratio_clamp=20.0, kl_clamp=10.0)
+        update = UpdateSettings(advantage_estimator="rloo")
+    stats = rl_step(ctx, policy, optimizer, scheduler, trajectories, settings, update)
     assert stats["updates"] == epochs and stats["update_skipped"] == 0
     moved = per_sequence(logps(ctx, policy, batch) - before, batch)
     lengths = kernels.packing.loss_token_counts(batch.loss_mask, batch.cu_seqlens).double()
