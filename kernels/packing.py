@@ -36,7 +36,15 @@ def next_token_targets(
     Returns:
         ``(targets [N] int64, pred_mask [N] bool)``.
     """
+    if input_ids.dim() != 1 or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be a 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
     n = input_ids.numel()
+    if loss_mask.numel() != n:
+        raise ValueError(f"loss_mask has {loss_mask.numel()} elements, expected N={n}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [S+1]")
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n:
+        raise ValueError(f"cu_seqlens must run from 0 to N={n}")
     targets = torch.zeros(n, dtype=torch.long, device=input_ids.device)
     pred_mask = torch.zeros(n, dtype=torch.bool, device=input_ids.device)
     if n > 1:

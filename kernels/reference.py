@@ -1,8 +1,7 @@
 """Plain PyTorch reference: the oracle every other path is tested against.
 
-Obviously correct rather than fast: it materialises the full fp32 logits of
-every row it scores (all N rows for the log-prob functions, the M loss rows
-for the fused loss), relies on autograd for the
+Obviously correct rather than fast: it materialises the full fp32 [N, V]
+logits for every token of the packed batch, relies on autograd for the
 backward pass, and recomputes packed-batch bookkeeping with simple loops and
 ``repeat_interleave`` instead of sharing helpers with the fast paths.
 Shapes and dtypes are documented on the public functions in ``dispatch.py``.
@@ -225,21 +224,18 @@ def fused_linear_grpo_loss(
     log_ratio_clamp: Optional[float] = None,
     kl_clamp: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict]:
-    n = hidden.shape[0]
     mask = loss_mask.bool()
-    # The naive path: the loss rows are projected onto the whole vocabulary
-    # at once and scored with log_softmax; the [M] log-probs are put back on
-    # their packed positions (0 elsewhere, with no gradient to those rows).
-    rows = mask.nonzero().reshape(-1)
-    logp_all = torch.log_softmax(_logits(hidden[rows], weight, bias, temperature), dim=-1)
-    logp = torch.zeros(n, dtype=torch.float32, device=hidden.device).index_put(
-        (rows,), logp_all.gather(-1, targets[rows].long().unsqueeze(-1)).squeeze(-1))
+    # The naive path: every token of the packed batch is projected and scored.
+    # Rows off the loss mask are zeroed first, so that whatever they hold
+    # (NaN, inf) reaches neither the loss nor any gradient.
+    hidden = torch.where(mask[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+    logp_all = torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)
+    logp = logp_all.gather(-1, targets.long().clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
     entropy = None
     if compute_entropy:
         with torch.no_grad():
-            entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
             p = logp_all.exp()
-            entropy[rows] = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0 where a logit is -inf
+            entropy = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0 where a logit is -inf
     return grpo_loss(
         logp, old_logp, ref_logp, advantages, mask, cu_seqlens,
         eps_low, eps_high, beta, loss_type, max_tokens, entropy, token_weights,

@@ -269,6 +269,11 @@ def _bad_calls():
                                                               torch.zeros(3, dtype=torch.long, device=DEVICE))
     yield "weight must be a floating-point tensor", lambda: kernels.fused_linear_logprobs(
         p["hidden"], p["weight"].long(), p["targets"])
+    ids = torch.arange(6, device=DEVICE)
+    yield "input_ids must be a 1-D integer tensor", lambda: kernels.next_token_targets(
+        ids.float(), torch.ones(6, dtype=torch.bool, device=DEVICE), cu_of([6]))
+    yield "cu_seqlens must run from 0 to N=6", lambda: kernels.next_token_targets(
+        ids, torch.ones(6, dtype=torch.bool, device=DEVICE), cu_of([5]))
 
 
 @pytest.mark.parametrize("message,call", list(_bad_calls()), ids=lambda x: x if isinstance(x, str) else "")
