@@ -414,3 +414,26 @@ def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base
         assert 0 <= r["logp_diff_abs_mean"] < 1e-4 and r["logp_diff_over_0.1_frac"] == 0.0
         assert r["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert {"seq_log_ratio_mean", "seq_log_ratio_abs_max", "tis_capped_frac"} <= set(r)
+
+
+@pytest.mark.slow  # two RL updates on real episodes (~3 s)
+def test_a_sum_loss_over_micro_batches_is_the_whole_batchs(tmp_path, tokenizer, tiny_folder, sampled):
+    """A loss type that sums (token-sum) gives each micro-batch a weight of 1:
+    split into one sequence per micro-batch, the update's gradient and loss
+    equal the single micro-batch's, and its statistics stay per-token means
+    (averaged by loss-token share, not summed)."""
+    out, grads = {}, {}
+    for tokens in (4500, 32768):  # one sequence per micro-batch, or all of them
+        cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", f"u{tokens}", "--run.tensorboard",
+                          "false", "--run.micro_batch_tokens", str(tokens), "--model.share_prefixes", "false"],
+                         check_files=False)
+        ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+        policy = _fresh(tiny_folder)
+        policy.train_mode()
+        out[tokens] = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0, loss_type="token-sum"),
+                                "rloo")
+        grads[tokens] = _grads(policy)
+    assert out[4500]["loss"] == pytest.approx(out[32768]["loss"], rel=1e-5)
+    assert (grads[4500] - grads[32768]).norm() <= 1e-4 * grads[32768].norm()
+    assert out[4500]["entropy"] == pytest.approx(out[32768]["entropy"], rel=1e-4)
+    assert 0.0 <= out[4500]["clip_frac"] <= 1.0
