@@ -35,9 +35,8 @@ SYNONYMS = {
 # be resumed and its models evaluated; a flag naming one is told why.
 RETIRED = {"run.log_every": "metric lines are written every step",
            "run.grad_accum": "a step accumulates the micro-batches its batch needs (run.micro_batch_tokens sizes them)"}
-# Settings given a new name -> (that name, the old value read as a new one).
-# Saved configs of earlier runs hold the old name: reading them maps it, so
-# that such a run can be resumed; a flag naming it is told the new name.
+
+
 def _advantage_estimator_name(value: Any) -> Any:
     """advantage_scale's "group" / "none" are the estimators grpo / dr_grpo."""
     try:
@@ -46,6 +45,9 @@ def _advantage_estimator_name(value: Any) -> Any:
         return value  # the setting's own check refuses it, in one line
 
 
+# Settings given a new name -> (that name, the old value read as a new one).
+# Saved configs of earlier runs hold the old name: reading them maps it, so
+# that such a run can be resumed; a flag naming it is told the new name.
 RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "grpo.advantage_scale": ("grpo.advantage_estimator", _advantage_estimator_name),
 }
