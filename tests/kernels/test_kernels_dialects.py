@@ -9,7 +9,18 @@ import math
 
 import pytest
 import torch
-from kernels_testlib import DEVICE, IMPLS, SEQLENS, assert_close, cu_of, leaf, loss_mask_for, triton_ready
+from kernels_testlib import (
+    DEVICE,
+    IMPLS,
+    SEQLENS,
+    assert_close,
+    cu_of,
+    leaf,
+    loss_mask_for,
+    old_ref_for,
+    packed_problem,
+    triton_ready,
+)
 
 import kernels
 from kernels import kl_estimators
@@ -159,6 +170,35 @@ def test_dialects_match_the_reference(impl, name, clamps):
     assert_close(grad, want_grad, what="dlogp", grad=True)
     if clip_c is not None:
         assert 0 < want_stats["clip_frac_lower"].item() < 1  # the dual clip binds on some tokens
+
+
+@pytest.mark.parametrize("impl", ["chunked", "triton"])
+@pytest.mark.parametrize("name", KL_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dialects_in_the_fused_linear_loss(impl, name, dtype):
+    """The same settings through the fused projection + loss (the trainer's
+    --fused path), on the ragged packed problem, forward and backward."""
+    _ready(impl)
+    p = packed_problem(seed=7, dtype=dtype, bias=True)
+    old, ref = old_ref_for(p, spread=0.8)
+    kw = dict(eps_low=0.15, eps_high=0.28, beta=0.3, kl_estimator=name, clip_ratio_c=1.3, log_ratio_clamp=0.6,
+              kl_clamp=0.2, loss_type="seq-mean-token-sum", compute_entropy=True)
+    outs = []
+    for path in ("reference", impl):
+        q = {k: leaf(p[k]) for k in ("hidden", "weight", "bias")}
+        loss, stats = kernels.fused_linear_grpo_loss(q["hidden"], q["weight"], p["targets"], p["advantages"],
+                                                     p["loss_mask"], p["cu_seqlens"], old, ref, bias=q["bias"],
+                                                     impl=path, **kw)
+        loss.backward()
+        outs.append((loss, stats, q))
+    (a, sa, qa), (b, sb, qb) = outs
+    assert_close(b, a, dtype, "loss")
+    assert set(sb) == set(sa) == {"clip_frac", "clip_frac_lower", "kl", "entropy"}
+    assert 0 < sa["clip_frac_lower"].item() < 1
+    for k in sa:
+        assert_close(sb[k], sa[k], dtype, k)
+    for k in ("hidden", "weight", "bias"):
+        assert_close(qb[k].grad, qa[k].grad, dtype, "d" + k, grad=True)
 
 
 # --------------------------------------------------------------------------
