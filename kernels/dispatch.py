@@ -27,7 +27,6 @@ Conventions shared by every function (the packed batch of rcgrpo/batch.py):
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Optional
 
@@ -80,16 +79,6 @@ def _same_device(**tensors) -> None:
     if len(set(devices.values())) > 1:
         where = ", ".join(f"{k} on {d}" for k, d in devices.items())
         raise ValueError(f"all tensors must be on one device, got {where}")
-
-
-def _temperature(temperature) -> float:
-    try:
-        t = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature must be a number, got {temperature!r}") from None
-    if not (math.isfinite(t) and t > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    return t
 
 
 def _check_targets(targets: torch.Tensor, vocab: int, rows: Optional[torch.Tensor] = None) -> None:
@@ -150,12 +139,7 @@ def _objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_cl
 def _max_tokens(loss_type: str, max_tokens) -> None:
     loss_types.get_loss_type(loss_type)
     if max_tokens is not None:
-        try:
-            ok = math.isfinite(float(max_tokens)) and float(max_tokens) > 0
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"max_tokens must be a finite number > 0 or None, got {max_tokens!r}")
+        objective.finite_number("max_tokens", max_tokens, 0.0, strict=True)
 
 
 def token_logprobs(
@@ -175,7 +159,7 @@ def token_logprobs(
     _tensor("logits", logits, dim=2)
     _tensor("targets", targets, dim=1, kind="int", numel=logits.shape[0])
     _same_device(logits=logits, targets=targets)
-    temperature = _temperature(temperature)
+    temperature = objective.finite_number("temperature", temperature, 0.0, strict=True)
     _check_targets(targets, logits.shape[1])
     which = _choose(impl, logits)
     if which == "reference":
@@ -216,7 +200,7 @@ def fused_linear_logprobs(
     bias = _check_linear(hidden, weight, bias)
     _tensor("targets", targets, dim=1, kind="int", numel=hidden.shape[0])
     _same_device(hidden=hidden, weight=weight, targets=targets, bias=bias)
-    temperature = _temperature(temperature)
+    temperature = objective.finite_number("temperature", temperature, 0.0, strict=True)
     _check_targets(targets, weight.shape[0])
     which = _choose(impl, hidden, weight)
     if which == "reference":
@@ -266,12 +250,7 @@ def group_advantages(
     _tensor("rewards", rewards, dim=1)
     _tensor("seq_group", seq_group, dim=1, kind="int", numel=rewards.numel())
     _same_device(rewards=rewards, seq_group=seq_group)
-    try:
-        eps_ok = math.isfinite(float(eps)) and float(eps) >= 0
-    except (TypeError, ValueError):
-        eps_ok = False
-    if not eps_ok:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    objective.finite_number("eps", eps, 0.0)
     which = _choose(impl, rewards)
     if which == "reference":
         return reference.group_advantages(rewards, seq_group, eps, estimator)
@@ -450,7 +429,7 @@ def fused_linear_grpo_loss(
     _check_packed(n, loss_mask, cu_seqlens, advantages)
     obj = _objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp, ref_logp)
     _max_tokens(loss_type, max_tokens)
-    temperature = _temperature(temperature)
+    temperature = objective.finite_number("temperature", temperature, 0.0, strict=True)
     m = int(loss_mask.sum())
     _per_token("old_logp", old_logp, n, m)
     _per_token("ref_logp", ref_logp, n, m)

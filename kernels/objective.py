@@ -29,7 +29,9 @@ from . import kl_estimators
 __all__ = ["Objective", "token_terms"]
 
 
-def _finite_number(name: str, value, low: float, *, strict: bool = False) -> float:
+def finite_number(name: str, value, low: float, *, strict: bool = False) -> float:
+    """``value`` as a float, or a one-line ValueError naming ``name`` unless it
+    is finite and >= ``low`` (> ``low`` when ``strict``)."""
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -61,15 +63,15 @@ class Objective:
 
     def __post_init__(self):
         check = object.__setattr__
-        check(self, "eps_low", _finite_number("eps_low", self.eps_low, 0.0))
-        check(self, "eps_high", _finite_number("eps_high", self.eps_high, 0.0))
-        check(self, "beta", _finite_number("beta", self.beta, 0.0))
+        check(self, "eps_low", finite_number("eps_low", self.eps_low, 0.0))
+        check(self, "eps_high", finite_number("eps_high", self.eps_high, 0.0))
+        check(self, "beta", finite_number("beta", self.beta, 0.0))
         if self.clip_ratio_c is not None:
-            check(self, "clip_ratio_c", _finite_number("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True))
+            check(self, "clip_ratio_c", finite_number("clip_ratio_c", self.clip_ratio_c, 1.0, strict=True))
         if self.log_ratio_clamp is not None:
-            check(self, "log_ratio_clamp", _finite_number("log_ratio_clamp", self.log_ratio_clamp, 0.0, strict=True))
+            check(self, "log_ratio_clamp", finite_number("log_ratio_clamp", self.log_ratio_clamp, 0.0, strict=True))
         if self.kl_clamp is not None:
-            check(self, "kl_clamp", _finite_number("kl_clamp", self.kl_clamp, 0.0, strict=True))
+            check(self, "kl_clamp", finite_number("kl_clamp", self.kl_clamp, 0.0, strict=True))
         kl_estimators.get_kl_estimator(self.kl_estimator)
 
     @property

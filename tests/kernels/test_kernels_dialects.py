@@ -19,7 +19,7 @@ from kernels_testlib import (
     loss_mask_for,
     old_ref_for,
     packed_problem,
-    triton_ready,
+    ready,
 )
 
 import kernels
@@ -27,10 +27,6 @@ from kernels import kl_estimators
 
 KL_NAMES = tuple(kernels.KL_ESTIMATORS)
 
-
-def _ready(impl):
-    if impl == "triton":
-        triton_ready()
 
 
 def _problem(seed=0, spread=0.6, seqlens=SEQLENS):
@@ -69,7 +65,7 @@ def test_registry():
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dual_clip_by_hand(impl):
-    _ready(impl)
+    ready(impl)
     # one sequence of 4 loss tokens (+ its last token), A = -1: ratios 4, 2, 0.5 and 1
     logp = torch.log(torch.tensor([4.0, 2.0, 0.5, 1.0, 1.0]))
     old = torch.zeros(5)
@@ -108,7 +104,7 @@ def _kl_by_hand(name, x):
 def test_each_kl_estimator_by_hand(impl, name):
     """On-policy with A = 0: the loss is beta * mean KL, its gradient beta *
     the estimator's gradient, per token; the statistic is the mean value."""
-    _ready(impl)
+    ready(impl)
     xs = [0.7, -0.4, 1.3]
     logp = torch.tensor([-1.0, -2.0, -0.5, -3.0])
     ref = logp.clone()
@@ -129,7 +125,7 @@ def test_each_kl_estimator_by_hand(impl, name):
 def test_clamps_by_hand(impl):
     """log_ratio_clamp clamps x (and the ratio's log) with a zero derivative
     outside; kl_clamp clamps the value with a zero derivative outside."""
-    _ready(impl)
+    ready(impl)
     logp = torch.tensor([-1.0, -1.0, -1.0, 0.0])
     ref = torch.tensor([-1.0 - 25.0, -1.0 + 3.0, -1.0 - 0.5, 0.0])  # x = 25, -3, 0.5
     mask = torch.tensor([True, True, True, False])
@@ -156,7 +152,7 @@ def test_clamps_by_hand(impl):
 def test_dialects_match_the_reference(impl, name, clamps):
     """Every estimator with the dual clip and the clamps off, at verl's
     values, and tight enough to bind often, off-policy with eps_low != eps_high."""
-    _ready(impl)
+    ready(impl)
     clip_c, lr_clamp, kl_clamp = clamps
     t = _problem(seed=4)
     kw = dict(eps_low=0.15, eps_high=0.28, beta=0.3, kl_estimator=name, clip_ratio_c=clip_c,
@@ -178,7 +174,7 @@ def test_dialects_match_the_reference(impl, name, clamps):
 def test_dialects_in_the_fused_linear_loss(impl, name, dtype):
     """The same settings through the fused projection + loss (the trainer's
     --fused path), on the ragged packed problem, forward and backward."""
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=7, dtype=dtype, bias=True)
     old, ref = old_ref_for(p, spread=0.8)
     kw = dict(eps_low=0.15, eps_high=0.28, beta=0.3, kl_estimator=name, clip_ratio_c=1.3, log_ratio_clamp=0.6,
@@ -262,7 +258,7 @@ VERL_MODES = {  # verl loss_agg_mode -> ours
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mode", list(VERL_MODES))
 def test_verls_loss_with_verls_settings(impl, mode):
-    _ready(impl)
+    ready(impl)
     t = _problem(seed=5, spread=1.2)
     width = max((t["cu"][1:] - t["cu"][:-1]).tolist())
     want = _verl_loss(t, mode, scale=width)
@@ -296,7 +292,7 @@ def _trl_loss(t, loss_type, beta=0.04, eps_low=0.2, eps_high=0.28, max_completio
 def test_trls_loss_with_trls_settings(impl, loss_type):
     """Every row has a loss token here (TRL's grpo averages over all rows,
     ours over rows with loss tokens: the two agree then; loss_types.py)."""
-    _ready(impl)
+    ready(impl)
     t = _problem(seed=6, seqlens=(5, 12, 3, 13, 9))
     _, mask, _ = _padded(t)
     assert mask.any(-1).all()

@@ -18,17 +18,13 @@ from kernels_testlib import (
     loss_mask_for,
     old_ref_for,
     packed_problem,
-    triton_ready,
+    ready,
 )
 
 import kernels
 
 NAN, INF = float("nan"), float("inf")
 
-
-def _ready(impl):
-    if impl == "triton":
-        triton_ready()
 
 
 def _token_problem(seed=0):
@@ -63,7 +59,7 @@ def _first_loss_token(mask):
 @pytest.mark.parametrize("where,beta", [(w, b) for w in ("logp", "old", "ref", "adv", "weights") for b in (0.0, 0.04)
                                         if (w, b) != ("ref", 0.0)])  # an unweighted reference is not in the loss
 def test_nan_on_a_loss_token_is_never_hidden(impl, where, beta):
-    _ready(impl)
+    ready(impl)
     t = _token_problem()
     i = _first_loss_token(t["mask"])
     bad = dict(t)
@@ -83,7 +79,7 @@ def test_nan_on_a_loss_token_is_never_hidden(impl, where, beta):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_nan_hidden_row_on_a_loss_token_gives_a_nan_loss(impl):
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=3)
     old, ref = old_ref_for(p)
     i = _first_loss_token(p["loss_mask"])
@@ -100,7 +96,7 @@ def test_nan_hidden_row_on_a_loss_token_gives_a_nan_loss(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("poison", [NAN, -INF, INF])
 def test_values_off_the_mask_change_nothing(impl, poison):
-    _ready(impl)
+    ready(impl)
     t = _token_problem(seed=1)
     off = ~t["mask"]
     # a sequence without loss tokens: SEQLENS has an empty one and a one-token one
@@ -129,7 +125,7 @@ def test_values_off_the_mask_change_nothing(impl, poison):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_nan_hidden_rows_off_the_mask_change_nothing(impl):
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=4)
     old, ref = old_ref_for(p)
     off = ~p["loss_mask"]
@@ -151,7 +147,7 @@ def test_nan_hidden_rows_off_the_mask_change_nothing(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_with_all_but_a_few_logits_masked(impl, dtype):
-    _ready(impl)
+    ready(impl)
     gen = torch.Generator().manual_seed(5)
     # the kept entries sit past the first block: the interpreter's (64) and a GPU's (4,096)
     n, v = 9, 4160
@@ -178,7 +174,7 @@ def test_rows_with_all_but_a_few_logits_masked(impl, dtype):
 def test_an_lm_head_bias_of_minus_inf_on_the_first_tiles(impl):
     """The fused sweep's first vocabulary tiles all -inf (a bias that bans
     tokens): log-probs, entropy and gradients stay those of the reference."""
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=6, bias=True, vocab=150)
     bias = p["bias"].clone()
     bias[:70] = -INF
@@ -203,7 +199,7 @@ def test_an_lm_head_bias_of_minus_inf_on_the_first_tiles(impl):
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_loss_token_inputs_equal_packed_ones(impl):
-    _ready(impl)
+    ready(impl)
     t = _token_problem(seed=2)
     m = t["mask"]
     outs = []
@@ -300,7 +296,7 @@ def test_an_ignore_index_off_the_loss_tokens_is_fine():
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_strided_bias_is_read_correctly(impl):
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=9, bias=True)
     strided = torch.stack([p["bias"], torch.full_like(p["bias"], 100.0)], 1)[:, 0]  # stride 2
     assert strided.stride(0) == 2
@@ -321,7 +317,7 @@ def test_a_strided_bias_is_read_correctly(impl):
 def test_a_minus_inf_log_prob_on_a_loss_token_gives_a_finite_kl_statistic(impl):
     """The statistic clamps the log-ratio to +-20 (as verl does); with beta 0
     the loss and its gradient stay finite too."""
-    _ready(impl)
+    ready(impl)
     t = _token_problem(seed=3)
     i = _first_loss_token(t["mask"])
     logp = t["logp"].clone()
@@ -346,7 +342,7 @@ EDGE_CASES = {
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", list(EDGE_CASES))
 def test_edge_batches_match_the_reference(impl, case):
-    _ready(impl)
+    ready(impl)
     seqlens, frac = EDGE_CASES[case]
     p = packed_problem(seqlens=seqlens, hdim=16, vocab=75, frac=frac, seed=10)
     assert p["loss_mask"].any()
@@ -380,7 +376,7 @@ def test_groups_of_one_and_constant_groups_contribute_no_policy_gradient(impl):
     """Advantages from group_advantages (a group of one, a constant group, a
     spread group) into the fused loss, beta 0: only the spread group's tokens
     get a gradient."""
-    _ready(impl)
+    ready(impl)
     seqlens = (6, 5, 7, 4, 6)
     p = packed_problem(seqlens=seqlens, seed=11)
     rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0], device=DEVICE)
@@ -403,7 +399,7 @@ def test_groups_of_one_and_constant_groups_contribute_no_policy_gradient(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("needs", ["", "h", "w", "b", "hw", "hb", "wb", "hwb"])
 def test_every_combination_of_inputs_requiring_grad(impl, needs):
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=12, bias=True)
     old, ref = old_ref_for(p)
 

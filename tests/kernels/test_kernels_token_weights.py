@@ -5,16 +5,12 @@ ragged sequences, weights given packed or on the loss tokens only."""
 
 import pytest
 import torch
-from kernels_testlib import FAST_IMPLS, IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem, triton_ready
+from kernels_testlib import FAST_IMPLS, IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem, ready
 
 import kernels
 
 LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
 
-
-def _ready(impl):
-    if impl == "triton":
-        triton_ready()
 
 
 def _fused(impl, p, q, old, ref, **kw):
@@ -68,7 +64,7 @@ def _written_out_loss(p, old, ref, weights, beta, eps_low, eps_high, loss_type, 
 def test_unit_weights_change_nothing(impl):
     """TIS with engine log-probs equal to the trainer's: every weight is
     min(exp(0), cap) = 1, and loss and gradients are those without weights."""
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=11, bias=True)
     old, ref = old_ref_for(p)
     ones = _tis_weights(old, old.clone(), cap=2.0)
@@ -92,7 +88,7 @@ def test_planted_mismatch_gives_the_formula(impl, loss_type):
     """Engine log-probs off the trainer's by up to ~0.6 nats, cap 1.5: some
     weights are capped, some below 1; the loss is the written-out formula and
     the gradients equal the reference path's."""
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=12)
     old, ref = old_ref_for(p, spread=0.25)
     g = torch.Generator().manual_seed(5)
@@ -121,7 +117,7 @@ def test_planted_mismatch_gives_the_formula(impl, loss_type):
 @pytest.mark.parametrize("impl", FAST_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_weights_with_low_precision_inputs(impl, dtype):
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=13, dtype=dtype, bias=True)
     old, ref = old_ref_for(p)
     w = 0.5 + torch.rand(old.shape, generator=torch.Generator().manual_seed(2)).to(old.device)
@@ -140,7 +136,7 @@ def test_weights_with_low_precision_inputs(impl, dtype):
 def test_weights_on_loss_tokens_only_and_ignored_elsewhere(impl):
     """[M] weights equal [N] weights; values off the loss tokens (inf, nan)
     are never read into the loss or its gradient."""
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=14)
     old, ref = old_ref_for(p)
     m = p["loss_mask"]
@@ -164,7 +160,7 @@ def test_weights_on_loss_tokens_only_and_ignored_elsewhere(impl):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_grpo_loss_on_logprobs(impl, loss_type):
     """The unfused loss takes the same weights: every path against the reference."""
-    _ready(impl)
+    ready(impl)
     p = packed_problem(seed=15)
     old, ref = old_ref_for(p)
     with torch.no_grad():
