@@ -18,7 +18,7 @@ CLASHING := torchvision torchaudio torchcodec
 
 export BFCL_PROJECT_ROOT ?= $(CURDIR)/.cache/bfcl
 
-.PHONY: install train test test-fast lint bench gpu-check gpu-wheels clean
+.PHONY: install train test test-fast lint bench bench-full bench-smoke gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -48,8 +48,19 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 
+# The scoreboard (benchmarks/conftest.py): quick = each comparison once
+# (<= 20 min on 2 cores); full = every shape and setting; smoke = every path
+# once at tiny sizes, figures checked finite and saved (CI runs it).
+# Reports land in .benchmarks/; `python -m benchmarks.scoreboard publish`
+# copies the newest into benchmarks/results/ and regenerates README's table.
 bench: install
 	$(BIN)/python -m pytest benchmarks/ --benchmark-only
+
+bench-full: install
+	$(BIN)/python -m pytest benchmarks/ --benchmark-only --full
+
+bench-smoke: install
+	$(BIN)/python -m pytest benchmarks/ --benchmark-only --smoke -q
 
 # The GPU machine sessions are lent has no network and its own python3
 # (torch, triton, transformers, pytest; no liger-kernel): gpu-check runs with

@@ -9,7 +9,11 @@ attention of those sequences apart. That ratio is what
 ``rcgrpo.attention.SEGMENT_SDPA`` (one call per segment, what a policy's
 sdpa model runs) saves; ``eager`` still pays it.
 
-Run: pytest benchmarks/test_packed_attention.py --benchmark-only -s
+Sizes (``benchmarks/scale.py``): quick, 4 sequences in 4,096 tokens; full,
+1, 2, 4 and 8 sequences and the same comparison inside the 135M model's
+forward + backward; smoke, 2 sequences in 512 tokens and the 135M model on a
+tiny batch. Target: apart <= 1.0x the masked call's time wherever there is
+more than one sequence (the 1-sequence row is the control).
 """
 import time
 
@@ -17,9 +21,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks import scale
+from benchmarks.scoreboard import Comparison
 from rcgrpo.attention import additive_mask, block_causal_mask
 
 HEADS, HEAD_DIM = 9, 64  # SmolLM2-135M's attention (after repeat_kv)
+N_TOKENS = scale.pick(smoke=512, quick=4096)
+SEQS = scale.pick(smoke=(2,), quick=(4,), full=(1, 2, 4, 8))
+# The 135M check: prompt and reply lengths of each of its four groups
+MODEL_SIZES = scale.pick(smoke=(64, 8), quick=None, full=(1500, 100))
+pytestmark = pytest.mark.benchmark(group="attention on CPU: packed masked call vs per-sequence calls")
 
 
 def _fwd_bwd(n_tokens: int, mask, rounds: int = 3) -> float:
@@ -32,9 +43,9 @@ def _fwd_bwd(n_tokens: int, mask, rounds: int = 3) -> float:
     return (time.perf_counter() - start) / rounds
 
 
-@pytest.mark.parametrize("seqs", [1, 2, 4, 8])
-def test_masked_pass_against_separate_passes(benchmark, seqs):
-    n = 4096
+@pytest.mark.parametrize("seqs", SEQS)
+def test_masked_pass_against_separate_passes(benchmark, board, seqs):
+    n = N_TOKENS
     cu = torch.arange(0, n + 1, n // seqs, dtype=torch.int32)
     mask = additive_mask(block_causal_mask(cu), torch.float32)
 
@@ -42,17 +53,19 @@ def test_masked_pass_against_separate_passes(benchmark, seqs):
         return {"masked_s": _fwd_bwd(n, mask), "separate_s": seqs * _fwd_bwd(n // seqs, None)}
 
     result = benchmark.pedantic(both, rounds=1, iterations=1)
-    result["ratio"] = result["masked_s"] / result["separate_s"]
     benchmark.extra_info.update(result)
-    print(f"\n{seqs} sequences in {n} tokens: masked {result['masked_s']:.3f} s, "
-          f"apart {result['separate_s']:.3f} s per attention forward + backward ({result['ratio']:.1f}x)")
+    board.record(Comparison(group="attention", name="SDPA fwd+bwd, packed sequences", ours="one call per sequence",
+                            peer="one masked call", ours_s=result["separate_s"], peer_s=result["masked_s"],
+                            shape=f"cpu fp32 {HEADS} heads x {HEAD_DIM}, {seqs} sequences in {n} tokens",
+                            per="attention pass", max_time_ratio=1.0 if seqs > 1 else None))
 
 
-def test_segments_against_one_masked_call_on_the_135m_model(benchmark):
+@pytest.mark.skipif(MODEL_SIZES is None, reason="the 135M model's attention check runs in the full sweep (--full)")
+def test_segments_against_one_masked_call_on_the_135m_model(benchmark, board):
     """The 135M model, forward and backward over one micro-batch of four
     prompt groups (a 1,500-token prompt and two 100-token replies each, the
     prompts forwarded once): SEGMENT_SDPA against the same forward with one
-    masked SDPA call per layer (sdpa outside a policy)."""
+    masked SDPA call per layer (sdpa outside a policy). Smoke size: 64 and 8."""
     from transformers import AutoModelForCausalLM
 
     from rcgrpo.attention import decoder_hidden_states
@@ -62,12 +75,13 @@ def test_segments_against_one_masked_call_on_the_135m_model(benchmark):
 
     folder = str(resolve_model_folder(None))
     g = torch.Generator().manual_seed(0)
+    prompt_len, reply_len = MODEL_SIZES
     trajectories = []
     for group in range(4):
-        prompt = torch.randint(0, 40000, (1500,), generator=g).tolist()
+        prompt = torch.randint(0, 40000, (prompt_len,), generator=g).tolist()
         for _ in range(2):
-            reply = torch.randint(0, 40000, (100,), generator=g).tolist()
-            trajectories.append(Trajectory(prompt + reply, [0] * 1500 + [1] * 100, group=group))
+            reply = torch.randint(0, 40000, (reply_len,), generator=g).tolist()
+            trajectories.append(Trajectory(prompt + reply, [0] * prompt_len + [1] * reply_len, group=group))
     batch = pack(trajectories)
 
     def timed(hidden_fn, model):
@@ -92,7 +106,8 @@ def test_segments_against_one_masked_call_on_the_135m_model(benchmark):
         return {"masked_s": one_masked_call(), "segments_s": segments()}
 
     result = benchmark.pedantic(both, rounds=1, iterations=1)
-    result["ratio"] = result["masked_s"] / result["segments_s"]
     benchmark.extra_info.update(result)
-    print(f"\n135M, {batch.num_tokens} packed tokens in 4 groups: one masked call {result['masked_s']:.1f} s, "
-          f"segments {result['segments_s']:.1f} s ({result['ratio']:.1f}x)")
+    board.record(Comparison(group="attention", name="135M fwd+bwd, 4 prompt groups", ours="SEGMENT_SDPA (policy)",
+                            peer="one masked SDPA call per layer", ours_s=result["segments_s"],
+                            peer_s=result["masked_s"], per="forward + backward", max_time_ratio=1.0,
+                            shape=f"cpu fp32 135M, {batch.num_tokens} packed tokens, prompts forwarded once"))

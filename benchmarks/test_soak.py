@@ -3,17 +3,17 @@ loop's environment path (`run_episodes` -> `Episode.step`) by replies drawn
 from ground truth, perturbed ground truth, garbage text, hostile calls and
 degenerate calls nested up to 10,000 deep.
 
-    pytest benchmarks/test_soak.py --benchmark-only -s    (~10 min on 2 cores)
-    RCGRPO_SOAK_EPISODES=200 ... for a quick look
+    pytest benchmarks/test_soak.py --benchmark-only    (quick: 300 episodes; --full: 2,000, ~10 min)
+    RCGRPO_SOAK_EPISODES=N ... any other count
 
 Reports episodes run, exceptions escaped (target 0), forbidden things run
 (target 0: audit events and marker files), resident memory at the start and
 the end (target: growth under 200 MB), worker processes and temporary files
-left over (target 0) and the time; writes .benchmarks/soak.json.
+left over (target 0) and the time per episode, on the scoreboard and in the
+saved report (the full figures in its extra_info).
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import string
@@ -23,6 +23,10 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
+from benchmarks import scale
+from benchmarks.scoreboard import Figure
 from rcgrpo.data.expert import ScriptedEngine, expert_turns, perturbed_turns, script_from_turns
 from rcgrpo.envs.bfcl import Episode, load_entries
 from rcgrpo.envs.data import CATEGORIES
@@ -32,10 +36,10 @@ from rcgrpo.models import load_tokenizer, resolve_model_folder
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from tests.hostile import HOSTILE, KINDS, AuditLog, wrap
 
-EPISODES = int(os.environ.get("RCGRPO_SOAK_EPISODES", "2000"))
+EPISODES = int(os.environ.get("RCGRPO_SOAK_EPISODES", scale.pick(smoke=30, quick=300, full=2000)))
 REPLY_KINDS = ("ground_truth", "perturbed", "garbage", "hostile", "degenerate", "mixed")
 MAX_GROWTH_MB = 200
-OUT = Path(__file__).resolve().parents[1] / ".benchmarks" / "soak.json"
+pytestmark = pytest.mark.benchmark(group="soak: hostile and degenerate replies through the agent loop")
 
 
 def rss_mb() -> float:
@@ -184,12 +188,19 @@ def soak(episodes: int, seed: int = 0) -> dict:
     }
 
 
-def test_soak(benchmark):
+def test_soak(benchmark, board):
     report = benchmark.pedantic(soak, args=(EPISODES,), rounds=1, iterations=1)
-    benchmark.extra_info.update({k: v for k, v in report.items() if not isinstance(v, list)})
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(report, indent=1))
-    print("\n" + "\n".join(f"{k:>38}: {v}" for k, v in report.items()))
+    benchmark.extra_info.update(report)
+    shape = f"{report['episodes']} episodes, every category and reply kind"
+    for name, value, unit, bound in (
+            ("exceptions escaped", report["exceptions_escaped"], "", 0),
+            ("forbidden things run", report["forbidden_executed"], "", 0),
+            ("resident memory growth", report["rss_growth_mb"], "MB", MAX_GROWTH_MB),
+            ("processes and temp files left over", len(report["leftover_processes_after_worker_stop"])
+             + len(report["leftover_temp_files"]), "", 0),
+            ("time per episode", report["ms_per_episode"], "ms", None)):
+        board.record(Figure(group="soak", name=name, value=value, unit=unit, shape=shape, max_value=bound),
+                     hold=False)  # held below at every size: these are correctness, not speed
     assert report["exceptions_escaped"] == 0, report["escaped_examples"]
     assert report["forbidden_executed"] == 0, report["forbidden_examples"]
     assert report["rss_growth_mb"] < MAX_GROWTH_MB

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from kernels_testlib import assert_close  # noqa: E402
 
 import kernels  # noqa: E402
-from benchmarks.test_kernels import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
+from benchmarks.fused_loss_case import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
 from rcgrpo.atomic import atomic_write_text  # noqa: E402
 
 GIB = 1 << 30
