@@ -222,7 +222,9 @@ def plot(report: dict, path: Path) -> Path:
     import matplotlib.ticker
 
     rows = [r for rs in grouped(rows_of(report)).values() for r in rs if isinstance(r, Comparison)]
-    labels = [textwrap.fill(f"{r.group}: {r.name}: {r.ours} vs {r.peer}", 70) for r in rows]
+    names = [f"{r.group}: {r.name}: {r.ours} vs {r.peer}" for r in rows]
+    # Rows that only their shape tells apart (a sweep's sizes) carry it.
+    labels = [textwrap.fill(n + (f" [{r.shape}]" if names.count(n) > 1 else ""), 70) for n, r in zip(names, rows)]
     fig, ax = plt.subplots(figsize=(13, 0.6 * len(rows) + 1.8))
     y = range(len(rows))
     time_bars = ax.barh([i - 0.2 for i in y], [r.time_ratio for r in rows], height=0.4, label="time ratio")
