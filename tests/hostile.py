@@ -71,7 +71,7 @@ class AuditLog:
         elif event == "exec" and args and getattr(args[0], "co_filename", "").startswith("<"):
             # Module imports exec their own files; code made from text has "<string>".
             self.seen.append(f"exec of code from text: {args[0].co_filename}")
-        elif event == "subprocess.Popen" and "rcgrpo.envs.math_worker" not in " ".join(map(str, args[1] or [])):
+        elif event == "subprocess.Popen" and "rcgrpo.envs.bounded_worker" not in " ".join(map(str, args[1] or [])):
             self.seen.append(f"subprocess {args!r:.120}")
         elif event == "open" and args and self.marker_dir is not None and self.marker_dir in str(args[0]):
             self.seen.append(f"open {args[0]}")

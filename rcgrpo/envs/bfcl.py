@@ -20,7 +20,7 @@ from bfcl_eval.constants.default_prompts import (
 
 from rcgrpo.envs.calls import Call, DecodeError, Positional, decode_calls
 from rcgrpo.envs.data import BFCLEntry, DataError, load_entries
-from rcgrpo.envs.executor import DEFAULT_CALL_TIMEOUT_S, Executor, build_instances
+from rcgrpo.envs.executor import DEFAULT_CALL_TIMEOUT_S, CallOutcome, Executor, build_instances
 from rcgrpo.envs.reward import (
     NOT_EXECUTED_PLACEHOLDER,
     action_reward,
@@ -90,7 +90,10 @@ class Episode:
         # What the official checker reads: per turn, the non-empty steps,
         # each a list of canonical call strings.
         self._decoded_turns: list[list[list[str]]] = [[]]
+        # Every call that ran (the audit trail), and those of them that
+        # succeeded: only these count toward action coverage.
         self._executed: list[Call] = []
+        self._succeeded: list[Call] = []
         self._result: EpisodeResult | None = None
 
     # -- what the model sees -------------------------------------------------
@@ -163,16 +166,19 @@ class Episode:
         messages, record = [], []
         for call in calls:
             try:
-                text, ran = self._executor.run(call)
+                outcome = self._executor.run(call)
                 name = call.canonical() if call.rejected is None else call.name
             except Exception as exc:  # the executor catches the API's own errors; this is the rest
-                text, ran, name = f"Error during execution: {type(exc).__name__}: {exc}", False, call.name
-            if ran:
+                outcome = CallOutcome(f"Error during execution: {type(exc).__name__}: {exc}", ran=False)
+                name = call.name
+            if outcome.ran:
                 self._executed.append(call)
                 record.append(name)
             else:
                 record.append(NOT_EXECUTED_PLACEHOLDER)
-            messages.append({"role": "tool", "name": name, "content": text})
+            if outcome.succeeded:
+                self._succeeded.append(call)
+            messages.append({"role": "tool", "name": name, "content": outcome.text})
         self._decoded_turns[-1].append(record)
         self._steps_in_turn += 1
         rejected = [f"{c.name}: {c.rejected}" for c in calls if c.rejected is not None]
@@ -200,10 +206,14 @@ class Episode:
             self.finish("unfinished")
             valid, error = official_verdict(self.entry, self._decoded_turns)
             r_state = state_reward(self.entry, self._executor.instances)
-            r_action = action_reward(self.entry, self._executed)
+            r_action = action_reward(self.entry, self._succeeded)
+            # A run cut short before its last turn (the official runner's
+            # force-terminated case: step limit or token budget) earns
+            # nothing, whatever state it happened to leave.
+            finished = len(self._decoded_turns) == len(self.entry.ground_truth)
             self._result = EpisodeResult(
                 entry_id=self.entry.id,
-                reward=r_state * r_action,
+                reward=r_state * r_action if finished else 0.0,
                 r_state=r_state,
                 r_action=r_action,
                 valid=valid,

@@ -14,6 +14,7 @@ import inspect
 import json
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from bfcl_eval.constants.executable_backend_config import (
@@ -21,9 +22,9 @@ from bfcl_eval.constants.executable_backend_config import (
     STATELESS_CLASSES,
 )
 
+from rcgrpo.envs.bounded_worker import BoundedWorker, WorkerOutcome
 from rcgrpo.envs.calls import Call
 from rcgrpo.envs.data import BFCLEntry
-from rcgrpo.envs.math_worker import StatelessCallRunner, WorkerOutcome
 
 # The official executor refuses these names before `eval` (multi_turn_utils).
 REFUSED_NAMES = frozenset({"kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"})
@@ -32,6 +33,25 @@ DEFAULT_CALL_TIMEOUT_S = 5.0
 
 class CallTimeout(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class CallOutcome:
+    """What one call did: the tool text the model sees, whether the method
+    ran at all, and whether it succeeded: returned without raising and not
+    with an error report (BFCL's APIs answer a failure with {"error": ...}).
+    Only a call that succeeded counts toward the reward's action coverage: a
+    policy must not earn reward for calls that raised (the official checker
+    finds their results missing)."""
+
+    text: str
+    ran: bool
+    succeeded: bool = False
+
+
+def is_error_report(value: Any) -> bool:
+    """BFCL's APIs report a failure by returning {"error": message}."""
+    return type(value) is dict and "error" in value
 
 
 def build_instances(entry: BFCLEntry) -> dict[str, Any]:
@@ -76,20 +96,34 @@ def format_result(value: Any) -> str:
     return str(value)
 
 
+def stateless_call(module: str, class_name: str, method: str, kwargs: dict) -> tuple[str, bool]:
+    """(tool text, succeeded) of one call on a fresh instance of a stateless
+    class: what the bounded worker runs. The text is formatted here, at the
+    precision the call itself set (`logarithm(precision=33)` prints 33
+    digits, as the official runner shows), before the worker resets it."""
+    value = getattr(getattr(importlib.import_module(module), class_name)(), method)(**kwargs)
+    return format_result(value), not is_error_report(value)
+
+
 def _over_time(timeout_s: float) -> str:
     return f"Error during execution: call exceeded the {timeout_s:g} s limit"
 
 
-def _worker_tool_text(outcome: WorkerOutcome, timeout_s: float) -> tuple[str, bool]:
-    """(tool text, ran) of a call that ran in the stateless worker, worded as
-    an in-process call's would be."""
+def _worker_call_outcome(outcome: WorkerOutcome, timeout_s: float) -> CallOutcome:
+    """The outcome of a call that ran in the stateless worker, worded as an
+    in-process call's would be."""
     if outcome.kind == WorkerOutcome.RETURNED:
-        return format_result(outcome.detail), True
+        text, succeeded = outcome.detail
+        return CallOutcome(text, ran=True, succeeded=succeeded)
     if outcome.kind == WorkerOutcome.RAISED:
-        return f"Error during execution: {outcome.detail}", True
+        return CallOutcome(f"Error during execution: {outcome.detail}", ran=True)
     if outcome.kind == WorkerOutcome.TIMED_OUT:
-        return _over_time(timeout_s), False
-    return f"Error during execution: worker failed: {outcome.detail}", False
+        return CallOutcome(_over_time(timeout_s), ran=False)
+    if outcome.kind == WorkerOutcome.EXHAUSTED:
+        # Stopped by the worker's memory bound, as a timeout stops a call:
+        # not run, so the official checker is not asked to run it again.
+        return CallOutcome(f"Error during execution: {outcome.detail}", ran=False)
+    return CallOutcome(f"Error during execution: worker failed: {outcome.detail}", ran=False)
 
 
 class Executor:
@@ -111,21 +145,24 @@ class Executor:
     def bound_methods(self) -> dict[str, Callable[..., Any]]:
         return {name: method for name, (_, method) in self.methods.items()}
 
-    def run(self, call: Call) -> tuple[str, bool]:
-        """(tool text, ran): `ran` is False when the call was not executed
-        (rejected at decode time, refused by name, or stopped by the timeout)."""
+    def run(self, call: Call) -> CallOutcome:
+        """What `call` did. It did not run when it was rejected at decode
+        time, refused by name, unknown, or stopped by the timeout."""
         if call.rejected is not None:
-            return f"Error during execution: {call.rejected}", False
+            return CallOutcome(f"Error during execution: {call.rejected}", ran=False)
         if call.name in REFUSED_NAMES:
-            return f"Error during execution: Function call {call.name} is not allowed.", False
+            return CallOutcome(f"Error during execution: Function call {call.name} is not allowed.", ran=False)
         if call.name not in self.methods:
-            return f"Error during execution: name '{call.name}' is not defined", False
+            return CallOutcome(f"Error during execution: name '{call.name}' is not defined", ran=False)
         class_name, method = self.methods[call.name]
         if class_name in STATELESS_CLASSES:
-            outcome = StatelessCallRunner.shared().run(
-                CLASS_FILE_PATH_MAPPING[class_name], class_name, call.name, call.kwargs, self.timeout_s
+            outcome = BoundedWorker.shared("stateless_calls").run(
+                __name__, "stateless_call",
+                dict(module=CLASS_FILE_PATH_MAPPING[class_name], class_name=class_name, method=call.name,
+                     kwargs=call.kwargs),
+                self.timeout_s,
             )
-            return _worker_tool_text(outcome, self.timeout_s)
+            return _worker_call_outcome(outcome, self.timeout_s)
         try:
             # Fresh argument objects, as the official eval of a string gives:
             # APIs store (and later mutate) the lists they are passed.
@@ -133,10 +170,10 @@ class Executor:
             with _alarm(self.timeout_s):
                 value = method(**kwargs)
         except CallTimeout:
-            return _over_time(self.timeout_s), False
+            return CallOutcome(_over_time(self.timeout_s), ran=False)
         except Exception as exc:
-            return f"Error during execution: {exc}", True
-        return format_result(value), True
+            return CallOutcome(f"Error during execution: {exc}", ran=True)
+        return CallOutcome(format_result(value), ran=True, succeeded=not is_error_report(value))
 
 
 class _alarm:

@@ -11,6 +11,7 @@ from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
 from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context
 from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
 
+from rcgrpo.envs.bounded_worker import BoundedWorker, WorkerOutcome
 from rcgrpo.envs.calls import Call, decode_calls
 from rcgrpo.envs.data import BFCLEntry
 from rcgrpo.envs.executor import Executor, build_instances
@@ -127,31 +128,54 @@ def _covers(executed: Call, gt: Call) -> bool:
     return all(k in executed.kwargs and executed.kwargs[k] == v for k, v in gt.kwargs.items())
 
 
+# The official checker runs the ground truth and the model's calls again
+# (ms for a real entry); past this bound the verdict is "invalid".
+CHECK_TIMEOUT_S = 60.0
+
+
 def official_verdict(entry: BFCLEntry, decoded_turns: list[list[list[str]]]) -> tuple[bool, str | None]:
     """(valid, error) from bfcl_eval's own `multi_turn_checker`.
 
     `decoded_turns[t]` lists turn t's non-empty steps, each a list of
     canonical call strings. A record with fewer turns than the ground truth
-    is the runner's force-terminated case. Each evaluation uses a unique
-    instance key and deletes the instances the checker cached under it.
+    is the runner's force-terminated case. The checker executes the calls
+    again (MathAPI's included), so it runs in a bounded worker process
+    (rcgrpo.envs.bounded_worker): its time and memory are bounded and no
+    state it sets reaches this process.
     """
     if len(decoded_turns) != len(entry.ground_truth):
         return False, (
             f"multi_turn:force_terminated: {len(decoded_turns)} model turns "
             f"for {len(entry.ground_truth)} ground-truth turns"
         )
+    outcome = BoundedWorker.shared("official_checker").run(
+        __name__, "checker_verdict",
+        dict(decoded_turns=decoded_turns, ground_truth=entry.ground_truth, test_entry=entry.as_bfcl_test_entry(),
+             category=entry.category, long_context=entry.long_context),
+        CHECK_TIMEOUT_S,
+    )
+    if outcome.kind == WorkerOutcome.RETURNED:
+        valid, error = outcome.detail
+        return valid, error
+    if outcome.kind == WorkerOutcome.TIMED_OUT:
+        return False, f"checker exceeded the {CHECK_TIMEOUT_S:g} s bound"
+    return False, f"checker failed ({outcome.kind}): {outcome.detail}"
+
+
+def checker_verdict(decoded_turns, ground_truth, test_entry, category, long_context) -> tuple[bool, str | None]:
+    """The official checker on one record, in this process (the worker's
+    side of `official_verdict`). Each evaluation uses a unique instance key
+    and deletes the instances the checker cached under it."""
     key = f"rcgrpo_{uuid.uuid4().hex}"
     try:
-        result = multi_turn_checker(
-            decoded_turns, entry.ground_truth, entry.as_bfcl_test_entry(), entry.category, key
-        )
+        result = multi_turn_checker(decoded_turns, ground_truth, test_entry, category, key)
     except Exception as exc:  # the checker asserts on inconsistent input
         return False, f"checker raised {type(exc).__name__}: {exc}"
     finally:
         cache = vars(multi_turn_utils)
         for name in [n for n in cache if n.startswith(key)]:
             del cache[name]
-        if entry.long_context:
+        if long_context:
             restore_long_context_state()
     if result.get("valid"):
         return True, None
