@@ -92,14 +92,21 @@ def system_prompt(docs: Sequence[dict[str, Any]], style: str = "compact") -> str
     return SYSTEM_PROMPT.format(functions=format_docs(docs, style))
 
 
+# The key of a message that carries the reward tag: where the conditioning
+# put it, and so the only place its special token may be encoded as one.
+REWARD_GOAL_KEY = "reward_goal"
+
+
 def with_reward_goal(messages: list[dict[str, str]], reward_token: str | None) -> list[dict[str, str]]:
-    """A copy of `messages` with the reward tag on the first user message."""
+    """A copy of `messages` with the reward tag on the first user message
+    (which also records the token under REWARD_GOAL_KEY; templates ignore it)."""
     messages = copy.deepcopy(messages)
     if reward_token is None:
         return messages
     for m in messages:
         if m["role"] == "user":
             m["content"] += reward_tag(reward_token)
+            m[REWARD_GOAL_KEY] = reward_token
             return messages
     raise ValueError("no user message to carry the reward goal")
 
@@ -116,9 +123,76 @@ def _text(tokenizer, messages, add_generation_prompt: bool) -> str:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    # The chat template writes every special token it wants (BOS included);
-    # the tokenizer must not add its own.
+    """Ids of text the chat template wrote: its special tokens are real ones.
+    (The template writes every special token it wants, BOS included; the
+    tokenizer must not add its own.)"""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    """Ids of text that did not come from the template (tool results, user
+    and system text, docs): `<|im_end|>` written there is seven characters,
+    never the control token, so no tool output can forge chat structure."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def _encode_content(tokenizer, message: dict[str, str]) -> list[int]:
+    """A message's content as plain text, except the reward tag that
+    `with_reward_goal` put on it, whose token is the real special token."""
+    content = message["content"]
+    token = message.get(REWARD_GOAL_KEY)
+    if token is None:
+        return _encode_plain(tokenizer, content)
+    tag = reward_tag(token)
+    if not content.endswith(tag):
+        raise ValueError(f"a message marked with {token} does not end with its reward tag")
+    before, after = tag.split(token)
+    return (_encode_plain(tokenizer, content[: -len(tag)] + before)
+            + [tokenizer.convert_tokens_to_ids(token)] + _encode_plain(tokenizer, after))
+
+
+def _sentinel(i: int) -> str:
+    # Private-use code points: text the template passes through untouched
+    # and no BFCL content contains.
+    return f"\ue000rcgrpo-content-{i}\ue001"
+
+
+def _render_ids(tokenizer, messages: Sequence[dict[str, str]], first_new: int, add_generation_prompt: bool,
+                before: str = "", lead: str = "") -> list[int]:
+    """Ids of `lead` + the template's rendering of `messages` after the text
+    `before` (the rendering of messages[:first_new]): template text encoded
+    with its special tokens, each message's content from first_new on plain.
+
+    The content is swapped for a sentinel, the template rendered, and the
+    rendering cut at the sentinels; a template that does not insert content
+    verbatim (trims, escapes, rewrites it) is refused rather than guessed at.
+    """
+    masked = [dict(m) for m in messages]
+    for i in range(first_new, len(masked)):
+        masked[i]["content"] = _sentinel(i)
+    text = _text(tokenizer, masked, add_generation_prompt)
+    if not text.startswith(before):
+        raise ValueError(
+            "this chat template re-renders earlier messages when new ones are added; "
+            "incremental token ids would drift from the full rendering"
+        )
+    template_text, pos = [], len(before)  # template_text[i] precedes new message i's content
+    for i in range(first_new, len(messages)):
+        at = text.find(_sentinel(i), pos)
+        if at < 0 or text.count(_sentinel(i)) != 1:
+            raise ValueError("this chat template does not insert message content verbatim; its ids cannot be built")
+        template_text.append(text[pos:at])
+        pos = at + len(_sentinel(i))
+    template_text.append(text[pos:])
+    new = messages[first_new:]
+    if before + "".join(t + m["content"] for t, m in zip(template_text, new)) + template_text[-1] != _text(
+        tokenizer, messages, add_generation_prompt
+    ):
+        raise ValueError("this chat template does not insert message content verbatim; its ids cannot be built")
+    ids = _encode(tokenizer, lead + template_text[0])
+    for m, following in zip(new, template_text[1:]):
+        ids += _encode_content(tokenizer, m) + _encode(tokenizer, following)
+    return ids
 
 
 class ChatTokens:
@@ -130,8 +204,9 @@ class ChatTokens:
         self.eot_text = tokenizer.convert_ids_to_tokens(self.eot_id)
 
     def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The opening prompt, ending where the assistant starts to write."""
-        return _encode(self.tokenizer, _text(self.tokenizer, messages, add_generation_prompt=True))
+        """The opening prompt, ending where the assistant starts to write.
+        Special tokens come only from the template and the reward tag."""
+        return _render_ids(self.tokenizer, messages, 0, add_generation_prompt=True)
 
     def decode_reply(self, sampled_ids: Sequence[int]) -> str:
         """The assistant text the environment sees (special tokens dropped)."""
@@ -155,15 +230,11 @@ class ChatTokens:
         if not history or history[-1]["role"] != "assistant":
             raise ValueError("history must end with the assistant reply")
         before = _text(self.tokenizer, history, add_generation_prompt=False)
-        after = _text(self.tokenizer, list(history) + list(new_messages), add_generation_prompt=True)
-        if not after.startswith(before):
-            raise ValueError(
-                "this chat template re-renders earlier messages when new ones are added; "
-                "incremental token ids would drift from the full rendering"
-            )
         end = before.rfind(self.eot_text)
         if end < 0:
             raise ValueError(f"the chat template does not close assistant messages with {self.eot_text!r}")
         glue = before[end + len(self.eot_text) :]
         prefix = glue if reply_closed else self.eot_text + glue
-        return _encode(self.tokenizer, prefix + after[len(before) :])
+        # New messages' content (tool results, the next user turn) is plain text.
+        return _render_ids(self.tokenizer, list(history) + list(new_messages), len(history),
+                           add_generation_prompt=True, before=before, lead=prefix)

@@ -59,7 +59,9 @@ class ScriptedEngine:
             raise ValueError("a ScriptedEngine plays one conversation at a time")
         text = self.replies[self._next] if self._next < len(self.replies) else TURN_DONE
         self._next += 1
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [self._eot]
+        # Plain text, as a model that wrote these characters would have
+        # sampled them; the end of the message is the one control token.
+        ids = list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]) + [self._eot]
         budget = (sampling if isinstance(sampling, SamplingConfig) else sampling[0]).max_tokens
         finish = "stop"
         if len(ids) > budget:  # the same cut a sampling engine would make
