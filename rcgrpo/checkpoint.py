@@ -52,6 +52,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from rcgrpo import json_input
 from rcgrpo.atomic import atomic_write_text, fsync_dir
 from rcgrpo.errors import UserError
 
@@ -314,7 +315,7 @@ def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> None:
     if not mpath.is_file():
         raise CheckpointError(f"{mpath} is missing: the save did not finish")
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json_input.loads(mpath.read_text())
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{mpath} is unreadable: {e}") from e
@@ -351,9 +352,9 @@ def load_latest(root: str | os.PathLike, full_verify: bool = True) -> Optional[C
     for path in reversed(list_checkpoints(root)):
         try:
             verify_checkpoint(path, full=full_verify)
-            state = json.loads((path / "state.json").read_text())
+            state = json_input.loads((path / "state.json").read_text())
             cfg_path = path / "run_config.json"
-            config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
+            config = json_input.loads(cfg_path.read_text()) if cfg_path.is_file() else None
         except (CheckpointError, ValueError, OSError) as e:
             reasons.append(f"{path.name}: {e}")
             warnings.warn(f"checkpoint {path} is unusable: {e}; trying the previous one", CheckpointWarning,

@@ -81,12 +81,12 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from rcgrpo import json_input
 from rcgrpo.errors import UserError
 from rcgrpo.stages import ENGINE_STAGES, FINETUNE_STAGES, RL_STAGES
 
@@ -208,7 +208,7 @@ class ModelShape:
         counts once). Without safetensors files, the count from the config."""
         folder = Path(folder)
         try:
-            config = json.loads((folder / "config.json").read_text())
+            config = json_input.loads((folder / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"{folder}: cannot read config.json ({e})") from e
         shape = cls.from_config(config)

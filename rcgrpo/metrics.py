@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from rcgrpo import json_input
 from rcgrpo.atomic import atomic_output
 from rcgrpo.errors import UserError
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
@@ -117,9 +118,11 @@ def read_records(path: str | os.PathLike, strict: bool = True) -> tuple[list[dic
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            rec = json_input.loads(line)
+            if not isinstance(rec, dict) or type(rec.get("step")) is not int:
                 raise ValueError("not an object with an integer 'step'")
+            if not isinstance(rec.get("stage", ""), (str, type(None))):
+                raise ValueError("'stage' is not a string")
         except ValueError as e:
             msg = f"{path}:{i}: unreadable metrics line ({e})"
             if i == len(lines):

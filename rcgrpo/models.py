@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from rcgrpo import json_input
 from rcgrpo.errors import UserError
 from rcgrpo.reward_tokens import REWARD_TOKEN_PHRASES, REWARD_TOKENS
 
@@ -71,7 +72,7 @@ def check_model_folder(folder: Path) -> None:
         raise ModelFolderError(f"model folder {folder} does not exist")
     config = folder / "config.json"
     try:
-        json.loads(config.read_text())
+        json_input.loads(config.read_text())
     except (OSError, ValueError) as e:
         raise ModelFolderError(f"{folder}: config.json missing or not JSON ({e})") from e
     shards = sorted(folder.glob("*.safetensors"))

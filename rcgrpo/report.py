@@ -26,13 +26,13 @@ long_context / overall (+ the mean of categories), in %.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rcgrpo import json_input
 from rcgrpo.atomic import atomic_write_text
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.errors import UserError
@@ -87,6 +87,10 @@ class ReportError(UserError, RuntimeError):
 
 def _numeric(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    return _numeric(v) and math.isfinite(v)
 
 
 def _series(records: list[dict], key: str) -> dict[Optional[str], tuple[list[int], list[float]]]:
@@ -195,7 +199,7 @@ def eval_table_markdown(rows: Sequence[dict], default_method: str = "this run") 
         scale = 1.0 if any(_numeric(v) and v > 1.0 for v in values) else 100.0
         cells = [_pct(v * scale if _numeric(v) else None) for v in values]
         lines.append(f"| {row.get('method') or default_method} | " + " | ".join(cells) + " |")
-        ns = ns or row.get("n") or {}
+        ns = ns or (row.get("n") if isinstance(row.get("n"), dict) else {})
     if ns:
         lines.append("")
         lines.append("Entries evaluated: " + ", ".join(f"{k} {v}" for k, v in ns.items()) + ".")
@@ -204,7 +208,7 @@ def eval_table_markdown(rows: Sequence[dict], default_method: str = "this run") 
 
 def _read_eval(path: Path) -> list[dict]:
     try:
-        data = json.loads(path.read_text())
+        data = json_input.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ReportError(f"{path} is not readable JSON: {e}") from e
     rows = data if isinstance(data, list) else [data]
@@ -217,7 +221,7 @@ def _read_eval(path: Path) -> list[dict]:
 def _run_method(run_dir: Path) -> str:
     cfg_path = run_dir / "config.json"
     try:
-        pipeline = json.loads(cfg_path.read_text())["run"]["pipeline"]
+        pipeline = json_input.loads(cfg_path.read_text())["run"]["pipeline"]
         return METHOD_NAMES.get(pipeline, pipeline)
     except (OSError, ValueError, KeyError, TypeError):
         return run_dir.name
@@ -255,7 +259,7 @@ def learning_summary(records: list[dict]) -> list[str]:
     for r in records:
         stages.setdefault(r.get("stage"), []).append(r)
     for stage, recs in stages.items():
-        steer = [r for r in recs if _numeric(r.get("steer"))]
+        steer = [r for r in recs if all(_finite(r.get(k)) for k in ("steer", "p_expert_high", "p_expert_low"))]
         if len(steer) > 1:
             a, b = steer[0], steer[-1]
             lines.append(f"[{stage}] steer at the first divergent token: {a['steer']:+.3f} nats (step {a['step']}) "
@@ -263,7 +267,8 @@ def learning_summary(records: list[dict]) -> list[str]:
                          f"{b['p_expert_high']:.2f} / {b['p_expert_low']:.2f}")
         for name in ("high", "low", "none"):
             key = f"sampled_reward_{name}"
-            probes = [r for r in recs if _numeric(r.get(key)) and _numeric(r.get(f"{key}_n"))]
+            probes = [r for r in recs if _finite(r.get(key)) and 0 <= r[key] <= 1 and _finite(r.get(f"{key}_n"))
+                      and r[f"{key}_n"] >= 1]
             if len(probes) < 2:
                 continue
             first, last = (Rate(round(p[key] * p[f"{key}_n"]), int(p[f"{key}_n"])) for p in (probes[0], probes[-1]))

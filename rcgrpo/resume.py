@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rcgrpo import json_input
 from rcgrpo.config import Config, flat_values, resume_safe_keys
 from rcgrpo.errors import UserError, one_line
 
@@ -63,7 +64,7 @@ def existing_runs(out_dir: Path) -> list[str]:
 def load_saved_config(run_dir: Path) -> Config:
     path = run_dir / SAVED_CONFIG
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_input.loads(path.read_text(encoding="utf-8"))
         return Config.from_dict(data, source=str(path), check_files=False)
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
         raise ResumeError(f"--resume: the saved config {path} cannot be used: {one_line(exc)}") from exc

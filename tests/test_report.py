@@ -100,6 +100,27 @@ def test_eval_table_accepts_percent_and_several_rows():
     assert "| RCTP + RC-GRPO | 85.00 | 80.00 | - | - | 85.00 | - |" in table
 
 
+def test_records_of_the_wrong_types_are_skipped_or_refused_in_one_line(tmp_path, capsys):
+    """A metrics file is read back from disk: any value can be anything.
+    Wrong-typed values are left out of the report; a line that is not a
+    record (deep nesting included) is one line of error and exit 2."""
+    synthetic_run(tmp_path, with_eval=False)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        for odd in [{"step": 50, "stage": "rc-grpo", "reward_mean": "high", "kl": [1], "loss": {"a": 1}},
+                    {"step": 51, "stage": "rc-grpo", "steer": 0.5, "p_expert_high": "x", "p_expert_low": None},
+                    {"step": 52, "stage": "rc-grpo", "sampled_reward_high": 1e308 * 10, "sampled_reward_high_n": 8},
+                    {"step": 53, "stage": "rc-grpo", "sampled_reward_low": 0.5, "sampled_reward_low_n": "8"},
+                    {"step": 54, "stage": "rc-grpo", "sampled_reward_low": 0.5, "sampled_reward_low_n": 8}]:
+            f.write(json.dumps(odd) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps({"categories": {"base": "half"}, "overall": None, "n": [1]}))
+    assert main([str(tmp_path)]) == 0, capsys.readouterr().err
+    for bad_line in ['{"step": 1, "stage": ["rctp"]}', '{"step": "1"}', "[" * 100_000 + "]" * 100_000]:
+        (tmp_path / "metrics.jsonl").write_text(bad_line + '\n{"step": 2, "loss": 1.0}\n')
+        assert main([str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "metrics.jsonl:1" in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize(
     "setup, needle",
     [

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from rcgrpo import json_input
 from rcgrpo.atomic import atomic_output
 from rcgrpo.batch import Trajectory
 from rcgrpo.data.divergence import divergences, first_divergence
@@ -186,12 +187,12 @@ def load_records(path: Path) -> list[Record]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json_input.loads(line)
             if isinstance(row, dict) and "loss_mask" in row and "sampled_mask" not in row:
                 # Files written before the field was renamed keep loading (same meaning).
                 row["sampled_mask"] = row.pop("loss_mask")
             record = Record(**row)
-        except (json.JSONDecodeError, TypeError) as exc:
+        except (ValueError, TypeError) as exc:
             raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno}: {exc}") from None
         if len(record.token_ids) != len(record.sampled_mask):
             raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno}: ids and mask differ in length")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rcgrpo import json_input
 from rcgrpo.atomic import atomic_output
 from rcgrpo.envs.data import CATEGORIES, load_entries
 from rcgrpo.envs.replay import replay, replay_ground_truth
@@ -38,8 +39,8 @@ def score_replay_file(src: Path, dst: Path, positional: str = "drop") -> tuple[i
 
 def _score_line(line: str, lineno: int, entries, positional: str) -> dict:
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
+        row = json_input.loads(line)
+    except ValueError as exc:
         return {"line": lineno, "id": None, "error": f"malformed JSON: {exc}"}
     if not isinstance(row, dict):
         return {"line": lineno, "id": None, "error": "line is not a JSON object"}

@@ -24,18 +24,24 @@ def test_replay_cli_scores_lines_and_reports_bad_ones(tmp_path, by_id):
         json.dumps({"id": "multi_turn_base_9999", "turns": []}),
         json.dumps({"id": entry.id, "turns": gt_turns[:1]}),
         json.dumps({"id": entry.id, "turns": "oops"}),
+        '{"id": "' + entry.id + '", "turns": ' + "[" * 100_000 + "]" * 100_000 + "}",  # past json's recursion
+        "[" * 100_000,
+        json.dumps({"id": entry.id, "turns": gt_turns}),  # and scoring goes on after them
     ]) + "\n")
     out = tmp_path / "out.jsonl"
     proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--replay", str(src), "--out", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 5
+    assert len(rows) == 8
     assert rows[0] == {"id": entry.id, "valid": True, "r_state": 1.0, "r_action": 1.0, "reward": 1.0}
     assert "malformed JSON" in rows[1]["error"] and rows[1]["line"] == 2
     assert "unknown id" in rows[2]["error"]
     assert rows[3]["id"] == entry.id and rows[3]["valid"] is False and rows[3]["reward"] == 0.0
     assert "malformed turns" in rows[4]["error"]
+    assert "nested too deeply" in rows[5]["error"] and rows[5]["line"] == 6
+    assert "nested too deeply" in rows[6]["error"] and rows[6]["line"] == 7
+    assert rows[7] == rows[0]
 
 
 @pytest.mark.slow  # the eval CLI replays every entry in a subprocess (~4 s)
