@@ -6,10 +6,16 @@ temporary file in the same folder, flushed and fsynced, and renamed over the
 target (a rename within one filesystem is atomic). A crash or an exception
 before the rename leaves the previous file as it was (or none) and removes the
 temporary file.
+
+Only a regular file is ever replaced. A symbolic link is followed (the file
+it points to is replaced; the link stays); a device or a pipe (`--out
+/dev/null`) is written through, as a shell redirection would; a folder is
+refused.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 from pathlib import Path
@@ -22,6 +28,15 @@ __all__ = ["atomic_output", "atomic_write_text", "fsync_dir"]
 def atomic_output(path: str | os.PathLike, encoding: str = "utf-8") -> Iterator[IO[str]]:
     """A text stream whose content replaces `path` when the block ends cleanly."""
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    if path.exists() and not path.is_file():
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a folder, not a file to write", str(path))
+        # A device or a pipe: not ours to replace, and nothing to keep whole.
+        with open(path, "w", encoding=encoding) as f:
+            yield f
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(path)
     # Hidden and per-process, so two writers never share a temporary file and

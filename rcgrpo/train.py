@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rcgrpo import distributed
 from rcgrpo.config import PIPELINES, Config, parse_args
 from rcgrpo.errors import run_command
+from rcgrpo.run_lock import LOCK_FILE, RunFolderLock, RunInUseError, holder_of
 from rcgrpo.stages import FINETUNE_STAGES, RL_STAGES, TRAINED_STAGES
 
 
@@ -75,8 +76,13 @@ def claim_fresh_run_dir(cfg: Config) -> None:
     first free `<name>-2`, `<name>-3`, ... (`--resume` continues the named one)."""
     from rcgrpo.metrics import log_line
 
+    holder = holder_of(cfg.run_dir)
+    if holder is not None:
+        raise RunInUseError(f"run folder {cfg.run_dir} is in use by process {holder}: wait for it to finish, "
+                            "or pass another --name")
     base, k = cfg.run.name, 1
-    while cfg.run_dir.exists() and any(cfg.run_dir.iterdir()):
+    # A folder holding only a lock file (a start that stopped early) is free.
+    while cfg.run_dir.exists() and any(p.name != LOCK_FILE for p in cfg.run_dir.iterdir()):
         k += 1
         cfg.run.name = f"{base}-{k}"
     if k > 1:
@@ -161,10 +167,36 @@ class RunEngine:
 
 
 def run(cfg: Config) -> int:
+    from rcgrpo.metrics import quiet_library_progress
+
+    seed_everything(cfg.data.seed)
+    quiet_library_progress()
+    # Rank 0 claims the folder and holds its lock for the whole run; every
+    # rank learns the name, or the refusal, from it.
+    lock, in_use = None, None
+    if distributed.is_main():
+        try:
+            if not cfg.run.resume:
+                claim_fresh_run_dir(cfg)
+            if not cfg.run.resume or cfg.run_dir.is_dir():  # a run to resume that is missing: check_resume says so
+                lock = RunFolderLock(cfg.run_dir).acquire()
+        except RunInUseError as exc:
+            in_use = str(exc)
+    cfg.run.name, in_use = distributed.broadcast_object((cfg.run.name, in_use))
+    if in_use:
+        raise RunInUseError(in_use)
+    try:
+        return _run_stages(cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_stages(cfg: Config) -> int:
     from rcgrpo.data.divergence import divergences
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
     from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
-    from rcgrpo.metrics import METRICS_FILE, log_line, quiet_library_progress, read_records
+    from rcgrpo.metrics import METRICS_FILE, log_line, read_records
     from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
     from rcgrpo.policy import TrainablePolicy
     from rcgrpo.report import learning_summary, write_report
@@ -175,15 +207,9 @@ def run(cfg: Config) -> int:
     from rcgrpo.training.grpo import train_rl
     from rcgrpo.training.steer import probe_pairs
 
-    seed_everything(cfg.data.seed)
-    quiet_library_progress()
     if cfg.run.resume:
         # Every rank checks (the same files), so all of them stop on a refusal.
         check_resume(cfg, write=distributed.is_main())
-    else:
-        if distributed.is_main():
-            claim_fresh_run_dir(cfg)
-        cfg.run.name = distributed.broadcast_object(cfg.run.name)
     device = pick_device(cfg.run.device)
     shape = model_shape(cfg.model.name_or_path)
     if shape is not None:

@@ -4,10 +4,14 @@ and an output file is never left half written."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -172,3 +176,89 @@ def test_a_killed_writer_leaves_the_previous_file(tmp_path):
     assert target.read_text() == "new\n"
     # The killed writer's temporary file went with that next write.
     assert [p.name for p in tmp_path.iterdir()] == ["results.jsonl"]
+
+
+def test_replay_out_onto_what_is_not_a_regular_file(tmp_path, capsys):
+    """`--out /dev/null` discards (as a shell redirection would) and leaves
+    the device a device; a link keeps pointing where it did; a folder is one
+    line of error with nothing written."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "multi_turn_base_0", "turns": []}) + "\n")
+    # A null device of our own: a regression run as root must not turn the
+    # machine's /dev/null into a file. Without the right to make one, the
+    # system's is safe to use (only root could replace it).
+    device = tmp_path / "null"
+    try:
+        os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        device = Path(os.devnull)
+    assert eval_cli.main(["--replay", str(src), "--out", str(device)]) == 0
+    assert stat.S_ISCHR(os.stat(device).st_mode)
+
+    real, link = tmp_path / "results.jsonl", tmp_path / "latest.jsonl"
+    real.write_text("old\n")
+    link.symlink_to(real)
+    assert eval_cli.main(["--replay", str(src), "--out", str(link)]) == 0
+    assert link.is_symlink() and json.loads(real.read_text())["id"] == "multi_turn_base_0"
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    with atomic_output(fifo) as f:
+        f.write("through the pipe\n")
+    reader.join(timeout=30)
+    assert received == ["through the pipe\n"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    assert eval_cli.main(["--replay", str(src), "--out", str(folder)]) == 2
+    assert "is a folder" in one_line_error(capsys, "rcgrpo.eval")
+    assert list(folder.iterdir()) == []
+
+
+HOLD_RUN_FOLDER = """
+import sys, time
+from rcgrpo.run_lock import RunFolderLock
+RunFolderLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_second_trainer_on_a_held_run_folder_is_one_line_naming_the_holder(tmp_path, capsys, monkeypatch, resume):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_FOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        argv = ["--name", "shared", "--out-dir", str(tmp_path)] + (["--resume"] if resume else [])
+        assert train_cli.main(argv) == 2
+        line = one_line_error(capsys, "rcgrpo.train")
+        assert f"in use by process {holder.pid}" in line, line
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["shared"]  # no shared-2 was started either
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
+    from rcgrpo.run_lock import RunFolderLock, RunInUseError, holder_of
+
+    folder = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_FOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    assert holder_of(folder) == str(holder.pid)
+    with pytest.raises(RunInUseError, match=str(holder.pid)):
+        RunFolderLock(folder).acquire()
+    holder.kill()  # SIGKILL: no clean-up ran
+    holder.wait()
+    assert holder_of(folder) is None
+    with RunFolderLock(folder):
+        assert (folder / ".lock").read_text() == f"{os.getpid()}\n"
+        assert holder_of(folder) == str(os.getpid())
+    assert holder_of(folder) is None  # released on exit
