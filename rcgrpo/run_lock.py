@@ -22,6 +22,11 @@ class RunInUseError(UserError, RuntimeError):
     """Another live process holds the run folder."""
 
 
+def in_use(folder: Path, holder: str) -> RunInUseError:
+    return RunInUseError(f"run folder {folder} is in use by process {holder}: wait for it to finish, "
+                         "or pass another --name")
+
+
 def _holder(fd: int) -> str:
     os.lseek(fd, 0, os.SEEK_SET)
     text = os.read(fd, 64).decode("ascii", "replace").strip()
@@ -43,10 +48,7 @@ class RunFolderLock:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise RunInUseError(
-                f"run folder {self.folder} is in use by process {holder}: wait for it to finish, "
-                "or pass another --name"
-            ) from None
+            raise in_use(self.folder, holder) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rcgrpo import distributed
 from rcgrpo.config import PIPELINES, Config, parse_args
 from rcgrpo.errors import run_command
-from rcgrpo.run_lock import LOCK_FILE, RunFolderLock, RunInUseError, holder_of
+from rcgrpo.run_lock import LOCK_FILE, RunFolderLock, RunInUseError, holder_of, in_use
 from rcgrpo.stages import FINETUNE_STAGES, RL_STAGES, TRAINED_STAGES
 
 
@@ -78,8 +78,7 @@ def claim_fresh_run_dir(cfg: Config) -> None:
 
     holder = holder_of(cfg.run_dir)
     if holder is not None:
-        raise RunInUseError(f"run folder {cfg.run_dir} is in use by process {holder}: wait for it to finish, "
-                            "or pass another --name")
+        raise in_use(cfg.run_dir, holder)
     base, k = cfg.run.name, 1
     # A folder holding only a lock file (a start that stopped early) is free.
     while cfg.run_dir.exists() and any(p.name != LOCK_FILE for p in cfg.run_dir.iterdir()):
