@@ -11,7 +11,8 @@ record that the new process will redo: a record of *this* stage with
 ``step > resume_step`` (every record of this stage when starting fresh,
 ``resume_step=None``), and everything after it, since later lines were
 produced from the run being replaced. The cut lines are appended to
-``metrics.dropped.jsonl`` rather than lost. So after ``--resume`` from a
+``metrics.dropped.jsonl`` rather than lost, and so is the text of any line
+that cannot be read (a torn last line, a corrupted one), with a warning. So after ``--resume`` from a
 checkpoint at step k, the file continues at k + 1 with no duplicates.
 
 Use the names in ``STANDARD_METRICS`` where they apply: ``rcgrpo.report``
@@ -102,12 +103,14 @@ def _flatten(metrics: dict, prefix: str = "") -> dict:
     return out
 
 
-def read_records(path: str | os.PathLike, strict: bool = True) -> tuple[list[dict], list[str]]:
+def read_records(path: str | os.PathLike, strict: bool = True,
+                 unreadable: Optional[list[tuple[int, str]]] = None) -> tuple[list[dict], list[str]]:
     """Parse a metrics file; return (records, problems).
 
     A truncated last line (a process killed mid-write) is skipped and noted in
     ``problems``. Any other unreadable line raises MetricsFileError when
-    ``strict``, else it is skipped and noted.
+    ``strict``, else it is skipped and noted. Each skipped line, as (line
+    number, text), is appended to ``unreadable`` when one is given.
     """
     path = Path(path)
     if not path.is_file():
@@ -127,10 +130,12 @@ def read_records(path: str | os.PathLike, strict: bool = True) -> tuple[list[dic
             msg = f"{path}:{i}: unreadable metrics line ({e})"
             if i == len(lines):
                 problems.append(msg + "; the last line, probably cut off by a kill: skipped")
-                continue
-            if strict:
+            elif strict:
                 raise MetricsFileError(msg) from e
-            problems.append(msg + ": skipped")
+            else:
+                problems.append(msg + ": skipped")
+            if unreadable is not None:
+                unreadable.append((i, line))
             continue
         records.append(rec)
     return records, problems
@@ -168,19 +173,24 @@ class MetricsLogger:
     def _cut(self) -> None:
         if not self.path.is_file():
             return
-        records, problems = read_records(self.path, strict=False)
+        unreadable: list[tuple[int, str]] = []
+        records, problems = read_records(self.path, strict=False, unreadable=unreadable)
         for p in problems:
-            warnings.warn(p, stacklevel=3)
+            warnings.warn(f"{p}; its text is kept in {self.run_dir / DROPPED_FILE}", stacklevel=3)
         cut = len(records)
         for i, rec in enumerate(records):
             if rec.get("stage") == self.stage and (self.resume_step is None or rec["step"] > self.resume_step):
                 cut = i
                 break
         kept, dropped = records[:cut], records[cut:]
-        if dropped:
+        if dropped or unreadable:
             with open(self.run_dir / DROPPED_FILE, "a", encoding="utf-8") as f:
                 for rec in dropped:
                     f.write(json.dumps(rec) + "\n")
+                # An unreadable line is kept as its text: nothing is lost,
+                # and the file stays one JSON object per line.
+                for lineno, text in unreadable:
+                    f.write(json.dumps({"unreadable_line": lineno, "text": text}) + "\n")
         if dropped or problems:
             with atomic_output(self.path) as f:
                 for rec in kept:

@@ -72,6 +72,21 @@ def test_truncated_last_line_is_dropped_on_resume(tmp_path):
     assert steps(tmp_path) == [1, 2]
 
 
+def test_unreadable_lines_are_kept_in_the_dropped_file(tmp_path):
+    with MetricsLogger(tmp_path, stage="rctp", tensorboard=False) as log:
+        log.log(1, loss=1)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"stage": "rctp", "step": 2, "loss": 0.5} garbage after a crash\n')
+        f.write('{"stage": "rctp", "step": 3, "loss": 0.2}\n')
+        f.write('{"stage": "rctp", "step": 4, "lo')  # torn by a kill
+    with pytest.warns(UserWarning, match="metrics.dropped.jsonl"):
+        MetricsLogger(tmp_path, stage="rc-grpo", tensorboard=False).close()
+    assert steps(tmp_path, "rctp") == [1, 3]
+    kept = [json.loads(x) for x in (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()]
+    assert kept == [{"unreadable_line": 2, "text": '{"stage": "rctp", "step": 2, "loss": 0.5} garbage after a crash'},
+                    {"unreadable_line": 4, "text": '{"stage": "rctp", "step": 4, "lo'}]
+
+
 def test_read_records_errors(tmp_path):
     from rcgrpo.metrics import MetricsFileError
 

@@ -35,6 +35,7 @@ STARTUP_TIMEOUT_S = 60.0
 # The worker's address-space cap: the imports take ~1 GiB of it; a request
 # past the rest gets MemoryError there and the worker is replaced.
 MEMORY_LIMIT_BYTES = 3 << 30
+_DIE_WITH_PARENT = "RCGRPO_WORKER_DIES_WITH_PARENT"
 
 
 def _send(stream, obj: Any) -> None:
@@ -102,10 +103,15 @@ class BoundedWorker:
 
     def _start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
+            # The kernel's parent-death signal follows the thread that
+            # started the child: ask for it only from the main thread, which
+            # lives as long as the process.
+            main_thread = threading.current_thread() is threading.main_thread()
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "rcgrpo.envs.bounded_worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                 # unbuffered, so select() on the pipe sees every waiting byte
+                env={**os.environ, _DIE_WITH_PARENT: "1" if main_thread else "0"},
             )
             # The worker says "ready" once its imports are done, so start-up
             # time never counts against a request's bound.
@@ -135,6 +141,9 @@ class BoundedWorker:
             except (EOFError, BrokenPipeError, OSError, pickle.UnpicklingError) as exc:
                 self.kill()
                 return WorkerOutcome(WorkerOutcome.WORKER_FAILED, str(exc))
+            except BaseException:  # Ctrl-C (the worker ignores it) or any other way out: no orphan keeps computing
+                self.kill()
+                raise
             if kind == WorkerOutcome.EXHAUSTED:
                 self.kill()  # a fresh worker, not one with a fragmented heap
         return WorkerOutcome(kind, value)
@@ -159,10 +168,29 @@ def _restore_numeric_state(state) -> None:
     decimal.setcontext(context.copy())  # a copy: the next request may change the one it gets
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills the worker when its parent dies, however it
+    dies (a SIGKILLed trainer must not leave a worker computing)."""
+    import ctypes
+    import signal
+
+    if os.environ.get(_DIE_WITH_PARENT) != "1":
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _serve() -> None:
     import importlib
     import resource
+    import signal
 
+    # Ctrl-C reaches the whole process group: the parent answers it (one
+    # line, and it kills this worker); a traceback from here would only add noise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     from rcgrpo.envs import _bfcl  # noqa: F401
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))

@@ -3,6 +3,11 @@ decimal context) never reaches the next call or the trainer's process, and
 what runs out of process (MathAPI, the official checker) is bounded in time
 and memory."""
 import decimal
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import mpmath
 import pytest
@@ -75,3 +80,55 @@ def test_a_call_stopped_by_a_bound_did_not_run():
                     WorkerOutcome(WorkerOutcome.TIMED_OUT)):
         call = _worker_call_outcome(outcome, 5.0)
         assert call.text.startswith("Error during execution:") and not call.ran and not call.succeeded
+
+
+def gone(pid: int) -> bool:
+    """Dead: no such process, or a zombie waiting for a parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+INTERRUPTED_DURING_A_CALL = """
+import os, signal, sys, threading
+from rcgrpo.envs.bounded_worker import BoundedWorker
+from rcgrpo.errors import run_command
+
+def body(argv):
+    worker = BoundedWorker.shared("stateless_calls")
+    worker.run("tests.envs.worker_jobs", "sleep", {"seconds": 0}, 60)  # started
+    print(worker._proc.pid, flush=True)
+    threading.Timer(1.0, lambda: os.killpg(os.getpgrp(), signal.SIGINT)).start()  # Ctrl-C at the terminal
+    worker.run("tests.envs.worker_jobs", "sleep", {"seconds": 60}, 120)
+    return 0
+
+sys.exit(run_command("rcgrpo.train", body, []))
+"""
+
+
+def test_ctrl_c_during_a_worker_call_is_one_line_and_leaves_no_worker():
+    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_DURING_A_CALL], capture_output=True, text=True,
+                          start_new_session=True, timeout=120, env={**os.environ, "RCGRPO_DEBUG": "0"})
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["rcgrpo.train: interrupted"], proc.stderr
+    worker_pid = int(proc.stdout.split()[0])
+    time.sleep(0.5)
+    assert gone(worker_pid)
+
+
+def test_a_killed_trainer_leaves_no_worker_computing():
+    script = ("import time\nfrom rcgrpo.envs.bounded_worker import BoundedWorker\n"
+              "w = BoundedWorker.shared('stateless_calls')\n"
+              "w.run('tests.envs.worker_jobs', 'sleep', {'seconds': 0}, 60)\n"
+              "print(w._proc.pid, flush=True)\n"
+              "w.run('tests.envs.worker_jobs', 'sleep', {'seconds': 600}, 900)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    worker_pid = int(proc.stdout.readline())
+    proc.kill()  # SIGKILL: no clean-up of its own runs
+    proc.wait()
+    for _ in range(50):
+        if gone(worker_pid):
+            break
+        time.sleep(0.1)
+    assert gone(worker_pid)
