@@ -319,10 +319,27 @@ def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> None:
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{mpath} is unreadable: {e}") from e
+    if not isinstance(files, dict) or not all(
+        isinstance(meta, dict) and type(meta.get("size")) is int and isinstance(meta.get("sha256"), str)
+        for meta in files.values()
+    ):
+        raise CheckpointError(f"{mpath} is malformed: 'files' must map each path to its size and sha256")
     if "state.json" not in files or not any(f.startswith("model/") for f in files):
         raise CheckpointError(f"{mpath} lists no state.json or no model files")
+    for rel in files:
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or rel == MANIFEST:
+            raise CheckpointError(f"{mpath} lists {rel!r}, a path outside the checkpoint folder")
+    # Exactly the listed files: one that the save did not write (put there
+    # later, by hand or by another program) would be loaded unverified.
+    present = {p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()} - {MANIFEST}
+    unlisted = sorted(present - set(files))
+    if unlisted:
+        raise CheckpointError(f"{path / unlisted[0]} is not listed in the manifest ({len(unlisted)} such files)")
     for rel, meta in files.items():
         p = path / rel
+        if p.is_symlink():
+            raise CheckpointError(f"{p} is a symbolic link, not a file the save wrote")
         if not p.is_file():
             raise CheckpointError(f"{p} is missing")
         size = p.stat().st_size
@@ -352,19 +369,29 @@ def load_latest(root: str | os.PathLike, full_verify: bool = True) -> Optional[C
     for path in reversed(list_checkpoints(root)):
         try:
             verify_checkpoint(path, full=full_verify)
-            state = json_input.loads((path / "state.json").read_text())
-            cfg_path = path / "run_config.json"
-            config = json_input.loads(cfg_path.read_text()) if cfg_path.is_file() else None
+            return _read_checkpoint(path)
         except (CheckpointError, ValueError, OSError) as e:
             reasons.append(f"{path.name}: {e}")
             warnings.warn(f"checkpoint {path} is unusable: {e}; trying the previous one", CheckpointWarning,
                           stacklevel=2)
-            continue
-        return Checkpoint(path=path, step=int(state["step"]), stage=state.get("stage"),
-                          data_position=state.get("data_position"), extra=state.get("extra") or {}, config=config)
     if reasons:
         raise CheckpointError(f"no usable checkpoint in {root}:\n  " + "\n  ".join(reasons))
     return None
+
+
+def _read_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint's metadata; CheckpointError for any shape it must not have."""
+    state = json_input.loads((path / "state.json").read_text())
+    cfg_path = path / "run_config.json"
+    config = json_input.loads(cfg_path.read_text()) if cfg_path.is_file() else None
+    if not isinstance(state, dict) or type(state.get("step")) is not int or state["step"] < 0:
+        raise CheckpointError(f"{path / 'state.json'} has no non-negative integer 'step'")
+    extra = state.get("extra") or {}
+    if not isinstance(extra, dict) or not isinstance(state.get("stage"), (str, type(None))) or not isinstance(
+            config, (dict, type(None))):
+        raise CheckpointError(f"{path} has metadata of the wrong types (state.json 'stage'/'extra', run_config.json)")
+    return Checkpoint(path=path, step=state["step"], stage=state.get("stage"),
+                      data_position=state.get("data_position"), extra=extra, config=config)
 
 
 def recover_interrupted_saves(root: str | os.PathLike, full_verify: bool = True) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 from rcgrpo.checkpoint import (
     CheckpointError,
     CheckpointWarning,
+    _write_manifest,
     list_checkpoints,
     load_latest,
     save_checkpoint,
@@ -162,6 +163,40 @@ def test_leftover_tmp_is_reported_and_ignored(three):
     assert any("ckpt-00000040.tmp" in m and "interrupted" in m for m in msgs)
     save(three, 40)  # the next save clears it
     assert not (three / "ckpt-00000040.tmp").exists() and load_latest(three).step == 40
+
+
+def _remanifest(folder):
+    """The manifest a save would write for the folder as it is now."""
+    (folder / "MANIFEST.json").unlink()
+    _write_manifest(folder, 30)
+
+
+def _rewrite_manifest(folder, edit):
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    edit(manifest)
+    (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("tamper, says", [
+    # a file the save did not write
+    (lambda d: (d / "model" / "extra.safetensors").write_bytes(b"\0" * 64), "not listed in the manifest"),
+    # a listed path that climbs out of the folder (the file exists there)
+    (lambda d: ((d.parent / "outside.json").write_text("{}"),
+                _rewrite_manifest(d, lambda m: m["files"].update({"../outside.json": {"size": 2, "sha256": "x"}}))),
+     "outside the checkpoint folder"),
+    (lambda d: _rewrite_manifest(d, lambda m: m.update(files=["state.json"])), "malformed"),
+    (lambda d: _rewrite_manifest(d, lambda m: m["files"].update({"state.json": [1, 2]})), "malformed"),
+    (lambda d: (d / "MANIFEST.json").write_text("[" * 100_000), "unreadable"),
+    # metadata that verifies (the manifest made anew) but has the wrong shape
+    (lambda d: ((d / "state.json").write_text('{"step": "thirty"}'), _remanifest(d)), "integer 'step'"),
+    (lambda d: ((d / "state.json").write_text('["step", 30]'), _remanifest(d)), "integer 'step'"),
+    (lambda d: ((d / "state.json").write_text('{"step": 30, "extra": 5}'), _remanifest(d)), "wrong types"),
+])
+def test_a_tampered_or_malformed_checkpoint_falls_back_with_a_warning(three, tamper, says):
+    tamper(three / "ckpt-00000030")
+    ck, msgs = _load_warned(three)
+    assert ck.step == 20
+    assert len(msgs) == 1 and "ckpt-00000030" in msgs[0] and says in msgs[0], msgs
 
 
 def test_nothing_usable_is_an_error(three):
