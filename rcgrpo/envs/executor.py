@@ -96,13 +96,17 @@ def format_result(value: Any) -> str:
     return str(value)
 
 
-def stateless_call(module: str, class_name: str, method: str, kwargs: dict) -> tuple[str, bool]:
-    """(tool text, succeeded) of one call on a fresh instance of a stateless
-    class: what the bounded worker runs. The text is formatted here, at the
-    precision the call itself set (`logarithm(precision=33)` prints 33
-    digits, as the official runner shows), before the worker resets it."""
-    value = getattr(getattr(importlib.import_module(module), class_name)(), method)(**kwargs)
-    return format_result(value), not is_error_report(value)
+def returned(value: Any) -> CallOutcome:
+    """The outcome of a call that returned `value`."""
+    return CallOutcome(format_result(value), ran=True, succeeded=not is_error_report(value))
+
+
+def stateless_call(module: str, class_name: str, method: str, kwargs: dict) -> CallOutcome:
+    """One call on a fresh instance of a stateless class: what the bounded
+    worker runs. The text is formatted here, at the precision the call itself
+    set (`logarithm(precision=33)` prints 33 digits, as the official runner
+    shows), before the worker resets it."""
+    return returned(getattr(getattr(importlib.import_module(module), class_name)(), method)(**kwargs))
 
 
 def _over_time(timeout_s: float) -> str:
@@ -113,8 +117,7 @@ def _worker_call_outcome(outcome: WorkerOutcome, timeout_s: float) -> CallOutcom
     """The outcome of a call that ran in the stateless worker, worded as an
     in-process call's would be."""
     if outcome.kind == WorkerOutcome.RETURNED:
-        text, succeeded = outcome.detail
-        return CallOutcome(text, ran=True, succeeded=succeeded)
+        return outcome.detail  # stateless_call's CallOutcome
     if outcome.kind == WorkerOutcome.RAISED:
         return CallOutcome(f"Error during execution: {outcome.detail}", ran=True)
     if outcome.kind == WorkerOutcome.TIMED_OUT:
@@ -173,7 +176,7 @@ class Executor:
             return CallOutcome(_over_time(self.timeout_s), ran=False)
         except Exception as exc:
             return CallOutcome(f"Error during execution: {exc}", ran=True)
-        return CallOutcome(format_result(value), ran=True, succeeded=not is_error_report(value))
+        return returned(value)
 
 
 class _alarm:

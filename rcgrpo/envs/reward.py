@@ -155,8 +155,7 @@ def official_verdict(entry: BFCLEntry, decoded_turns: list[list[list[str]]]) -> 
         CHECK_TIMEOUT_S,
     )
     if outcome.kind == WorkerOutcome.RETURNED:
-        valid, error = outcome.detail
-        return valid, error
+        return outcome.detail
     if outcome.kind == WorkerOutcome.TIMED_OUT:
         return False, f"checker exceeded the {CHECK_TIMEOUT_S:g} s bound"
     return False, f"checker failed ({outcome.kind}): {outcome.detail}"
