@@ -75,3 +75,21 @@ class AuditLog:
             self.seen.append(f"subprocess {args!r:.120}")
         elif event == "open" and args and self.marker_dir is not None and self.marker_dir in str(args[0]):
             self.seen.append(f"open {args[0]}")
+
+
+def shared_tree(levels: int, calls_per_reply: int = 50) -> list[str]:
+    """Replies that build, with 7 cheap calls per level, a GorillaFileSystem
+    tree holding 2**levels paths: `cp` copies a directory's entries, not the
+    directories under them, so `x` and its copy `y` share the sub-directory
+    `z`, inside which the next level is made."""
+    calls = ["mkdir(dir_name='amp')", "cd(folder='amp')"]
+    for _ in range(levels):
+        calls += ["mkdir(dir_name='x')", "cd(folder='x')", "mkdir(dir_name='z')", "cd(folder='..')",
+                  "cp(source='x', destination='y')", "cd(folder='x')", "cd(folder='z')"]
+    return ["[" + ", ".join(calls[i:i + calls_per_reply]) + "]" for i in range(0, len(calls), calls_per_reply)]
+
+
+# Over a shared tree: all of its paths as text (memory), or a walk of it that
+# matches nothing (time only).
+LIST_EVERY_PATH = "[find(path='/')]"
+WALK_EVERY_PATH = "[find(path='/', name='rcgrpo-no-such-name')]"

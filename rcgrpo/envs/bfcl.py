@@ -5,11 +5,13 @@ a turn opens with its user message(s) (a miss_func reveal turn with a message
 carrying the newly available function docs); the model is queried; a reply
 that decodes to no call, or fails to decode, ends the turn; otherwise the
 calls run and their results go back to the model; a turn that reaches more
-than 20 executed steps force-terminates the whole entry.
+than 20 executed steps force-terminates the whole entry. What one episode
+may make the environment do is bounded (rcgrpo.envs.budget).
 """
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,7 @@ from bfcl_eval.constants.default_prompts import (
     MAXIMUM_STEP_LIMIT,
 )
 
+from rcgrpo.envs.budget import CALL_DID_NOT_STOP, ENV_TIME_LIMIT, EpisodeBudget
 from rcgrpo.envs.calls import Call, DecodeError, Positional, decode_calls
 from rcgrpo.envs.data import BFCLEntry, DataError, load_entries
 from rcgrpo.envs.executor import DEFAULT_CALL_TIMEOUT_S, CallOutcome, Executor, build_instances
@@ -31,7 +34,7 @@ from rcgrpo.envs.reward import (
 from rcgrpo.envs.split import split_train_test
 
 __all__ = [
-    "BFCLEntry", "DataError", "Episode", "EpisodeResult", "StepResult",
+    "BFCLEntry", "DataError", "Episode", "EpisodeBudget", "EpisodeResult", "StepResult",
     "load_entries", "split_train_test", "ground_truth",
 ]
 
@@ -76,10 +79,12 @@ class Episode:
         positional: Positional = "drop",
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         max_steps_per_turn: int = MAXIMUM_STEP_LIMIT,
+        budget: EpisodeBudget | None = None,
     ):
         self.entry = entry
         self.positional = positional
         self.max_steps_per_turn = max_steps_per_turn
+        self.budget = budget or EpisodeBudget()
         self._executor = Executor(build_instances(entry), timeout_s=call_timeout_s)
         self._methods = self._executor.bound_methods()
         self.turn_index = 0
@@ -164,13 +169,19 @@ class Episode:
             self._end_turn()
             return StepResult([], [], turn_ended=True, done=self.done)
         messages, record = [], []
-        for call in calls:
+        for index, call in enumerate(calls):
+            name = call.canonical() if call.rejected is None else call.name
+            started = time.monotonic()
             try:
-                outcome = self._executor.run(call)
-                name = call.canonical() if call.rejected is None else call.name
+                refused = self.budget.over_calls(index)
+                if refused is not None:
+                    outcome = CallOutcome(f"Error during execution: {refused}", ran=False)
+                else:
+                    outcome = self._executor.run(call, timeout_s=self.budget.seconds_left)
             except Exception as exc:  # the executor catches the API's own errors; this is the rest
                 outcome = CallOutcome(f"Error during execution: {type(exc).__name__}: {exc}", ran=False)
                 name = call.name
+            self.budget.spend_seconds(time.monotonic() - started)
             if outcome.ran:
                 self._executed.append(call)
                 record.append(name)
@@ -178,11 +189,16 @@ class Episode:
                 record.append(NOT_EXECUTED_PLACEHOLDER)
             if outcome.succeeded:
                 self._succeeded.append(call)
-            messages.append({"role": "tool", "name": name, "content": outcome.text})
+            messages.append({"role": "tool", "name": name, "content": self.budget.clip(outcome.text)})
         self._decoded_turns[-1].append(record)
         self._steps_in_turn += 1
         rejected = [f"{c.name}: {c.rejected}" for c in calls if c.rejected is not None]
         decode_error = "; ".join(rejected) or None
+        cut_short = (CALL_DID_NOT_STOP if self._executor.abandoned is not None
+                     else ENV_TIME_LIMIT if self.budget.seconds_left <= 0 else None)
+        if cut_short is not None:
+            self._finish(cut_short)
+            return StepResult(calls, messages, turn_ended=True, done=True, decode_error=decode_error)
         if self._steps_in_turn > self.max_steps_per_turn:
             # Official: the turn's record is kept, the entry stops here.
             self._finish("step_limit")
@@ -208,9 +224,11 @@ class Episode:
             r_state = state_reward(self.entry, self._executor.instances)
             r_action = action_reward(self.entry, self._succeeded)
             # A run cut short before its last turn (the official runner's
-            # force-terminated case: step limit or token budget) earns
-            # nothing, whatever state it happened to leave.
-            finished = len(self._decoded_turns) == len(self.entry.ground_truth)
+            # force-terminated case: step limit or token budget), or stopped
+            # by its environment budget at any turn, earns nothing, whatever
+            # state it happened to leave.
+            finished = (len(self._decoded_turns) == len(self.entry.ground_truth)
+                        and self.end_reason not in (ENV_TIME_LIMIT, CALL_DID_NOT_STOP))
             self._result = EpisodeResult(
                 entry_id=self.entry.id,
                 reward=r_state * r_action if finished else 0.0,

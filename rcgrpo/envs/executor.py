@@ -4,7 +4,7 @@ Mirrors `bfcl_eval...multi_turn_utils.execute_multi_turn_func_call` in what a
 call returns (strings as they are, dicts as JSON, anything else `str()`,
 exceptions as "Error during execution: ..."), but dispatches by attribute
 lookup on the entry's own methods instead of `eval`, never shares instances
-between episodes, and bounds the time a call may take.
+between episodes, and bounds the time and memory a call may take.
 """
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import copy
 import importlib
 import inspect
 import json
-import signal
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +20,7 @@ from bfcl_eval.constants.executable_backend_config import (
     STATELESS_CLASSES,
 )
 
+from rcgrpo.envs.bounded_thread import BoundedThread
 from rcgrpo.envs.bounded_worker import BoundedWorker, WorkerOutcome
 from rcgrpo.envs.calls import Call
 from rcgrpo.envs.data import BFCLEntry
@@ -29,10 +28,6 @@ from rcgrpo.envs.data import BFCLEntry
 # The official executor refuses these names before `eval` (multi_turn_utils).
 REFUSED_NAMES = frozenset({"kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"})
 DEFAULT_CALL_TIMEOUT_S = 5.0
-
-
-class CallTimeout(Exception):
-    pass
 
 
 @dataclass(frozen=True)
@@ -113,18 +108,18 @@ def _over_time(timeout_s: float) -> str:
     return f"Error during execution: call exceeded the {timeout_s:g} s limit"
 
 
-def _worker_call_outcome(outcome: WorkerOutcome, timeout_s: float) -> CallOutcome:
-    """The outcome of a call that ran in the stateless worker, worded as an
-    in-process call's would be."""
+def _bounded_call_outcome(outcome: WorkerOutcome, timeout_s: float) -> CallOutcome:
+    """The outcome of a call that ran bounded (in the stateless worker or on
+    the bounded thread), worded as the official executor words a call's."""
     if outcome.kind == WorkerOutcome.RETURNED:
-        return outcome.detail  # stateless_call's CallOutcome
+        return outcome.detail  # a CallOutcome made by `returned` where the call ran
     if outcome.kind == WorkerOutcome.RAISED:
         return CallOutcome(f"Error during execution: {outcome.detail}", ran=True)
     if outcome.kind == WorkerOutcome.TIMED_OUT:
         return CallOutcome(_over_time(timeout_s), ran=False)
     if outcome.kind == WorkerOutcome.EXHAUSTED:
-        # Stopped by the worker's memory bound, as a timeout stops a call:
-        # not run, so the official checker is not asked to run it again.
+        # Stopped by a memory bound, as a timeout stops a call: not run, so
+        # the official checker is not asked to run it again.
         return CallOutcome(f"Error during execution: {outcome.detail}", ran=False)
     return CallOutcome(f"Error during execution: worker failed: {outcome.detail}", ran=False)
 
@@ -132,25 +127,33 @@ def _worker_call_outcome(outcome: WorkerOutcome, timeout_s: float) -> CallOutcom
 class Executor:
     """Runs decoded calls against one episode's instances.
 
-    Stateful classes run in-process under a SIGALRM timer (Python-level loops
-    are interrupted; only available on the main thread). Stateless classes
-    (MathAPI) run in a separate worker process with a hard timeout, because
-    their slow paths are single native operations (big-int powers, mpmath at
-    huge precision) that no signal can interrupt; being stateless, nothing is
-    lost when the worker is killed.
+    Stateful classes run in-process, on the bounded thread
+    (rcgrpo.envs.bounded_thread: their pure-Python loops are stopped at the
+    time and memory bounds, from whichever thread drives the episode).
+    Stateless classes (MathAPI) run in a separate worker process with a hard
+    timeout, because their slow paths are single native operations (big-int
+    powers, mpmath at huge precision) that nothing in-process can interrupt;
+    being stateless, nothing is lost when the worker is killed.
     """
 
     def __init__(self, instances: dict[str, Any], timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
         self.instances = instances
         self.methods = method_table(instances)
         self.timeout_s = timeout_s
+        # Set when a call was abandoned still running (it did not stop at
+        # its bound): the instances may still change, so nothing more runs.
+        self.abandoned: str | None = None
 
     def bound_methods(self) -> dict[str, Callable[..., Any]]:
         return {name: method for name, (_, method) in self.methods.items()}
 
-    def run(self, call: Call) -> CallOutcome:
+    def run(self, call: Call, timeout_s: float | None = None) -> CallOutcome:
         """What `call` did. It did not run when it was rejected at decode
-        time, refused by name, unknown, or stopped by the timeout."""
+        time, refused by name, unknown, or stopped at its time or memory
+        bound. `timeout_s` (default: the executor's) bounds this call."""
+        timeout_s = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        if self.abandoned is not None:
+            return CallOutcome(f"Error during execution: not run: {self.abandoned}", ran=False)
         if call.rejected is not None:
             return CallOutcome(f"Error during execution: {call.rejected}", ran=False)
         if call.name in REFUSED_NAMES:
@@ -163,41 +166,14 @@ class Executor:
                 __name__, "stateless_call",
                 dict(module=CLASS_FILE_PATH_MAPPING[class_name], class_name=class_name, method=call.name,
                      kwargs=call.kwargs),
-                self.timeout_s,
+                timeout_s,
             )
-            return _worker_call_outcome(outcome, self.timeout_s)
-        try:
-            # Fresh argument objects, as the official eval of a string gives:
-            # APIs store (and later mutate) the lists they are passed.
-            kwargs = copy.deepcopy(call.kwargs)
-            with _alarm(self.timeout_s):
-                value = method(**kwargs)
-        except CallTimeout:
-            return CallOutcome(_over_time(self.timeout_s), ran=False)
-        except Exception as exc:
-            return CallOutcome(f"Error during execution: {exc}", ran=True)
-        return returned(value)
-
-
-class _alarm:
-    """Raise CallTimeout in the main thread after `seconds` (no-op elsewhere)."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.active = threading.current_thread() is threading.main_thread() and seconds > 0
-
-    def __enter__(self):
-        if self.active:
-            self.previous = signal.signal(signal.SIGALRM, self._fire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc):
-        if self.active:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.previous)
-        return False
-
-    @staticmethod
-    def _fire(signum, frame):
-        raise CallTimeout()
+            return _bounded_call_outcome(outcome, timeout_s)
+        # Fresh argument objects, as the official eval of a string gives:
+        # APIs store (and later mutate) the lists they are passed. The text is
+        # made on the bounded thread too: formatting a huge result is work.
+        kwargs = copy.deepcopy(call.kwargs)
+        outcome = BoundedThread.shared().run(lambda: returned(method(**kwargs)), timeout_s)
+        if outcome.kind == WorkerOutcome.WORKER_FAILED:
+            self.abandoned = f"an earlier call did not stop ({outcome.detail})"
+        return _bounded_call_outcome(outcome, timeout_s)

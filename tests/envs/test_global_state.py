@@ -14,7 +14,7 @@ import pytest
 
 from rcgrpo.envs.bfcl import Episode
 from rcgrpo.envs.bounded_worker import MEMORY_LIMIT_BYTES, BoundedWorker, WorkerOutcome
-from rcgrpo.envs.executor import _worker_call_outcome
+from rcgrpo.envs.executor import _bounded_call_outcome
 
 JOBS = "tests.envs.worker_jobs"
 
@@ -78,7 +78,7 @@ def test_a_call_stopped_by_a_bound_did_not_run():
     # the call again in its own worker; and it covers nothing.
     for outcome in (WorkerOutcome(WorkerOutcome.EXHAUSTED, "out of memory (3 GiB bound)"),
                     WorkerOutcome(WorkerOutcome.TIMED_OUT)):
-        call = _worker_call_outcome(outcome, 5.0)
+        call = _bounded_call_outcome(outcome, 5.0)
         assert call.text.startswith("Error during execution:") and not call.ran and not call.succeeded
 
 
