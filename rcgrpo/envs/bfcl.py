@@ -170,9 +170,9 @@ class Episode:
             return StepResult([], [], turn_ended=True, done=self.done)
         messages, record = [], []
         for index, call in enumerate(calls):
-            name = call.canonical() if call.rejected is None else call.name
             started = time.monotonic()
             try:
+                name = call.canonical() if call.rejected is None else call.name
                 refused = self.budget.over_calls(index)
                 if refused is not None:
                     outcome = CallOutcome(f"Error during execution: {refused}", ran=False)
