@@ -74,7 +74,9 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
   grpo.max_total_tokens tokens of ~96 B (measured ~77 B: a Python int id, a
   mask int, a log-prob float, a version per token, plus the lists' growth).
   On CPU that is part of both phases; on CUDA it is checked against the
-  host's memory (``host_bytes``), shared by the node's ranks.
+  host's memory (``host_bytes``), shared by the node's ranks. "rctp-data"
+  with rollout failures likewise holds every training entry's
+  rctp.failure_attempts rollouts at once (``rctp_entries`` x attempts).
 * Two phases per RL step, the peak is the larger: rollout = weights + optimizer
   state + reference + engine awake (gradients freed); update = weights +
   gradients + optimizer state + reference + activations + autocast copies +
@@ -288,6 +290,7 @@ class MemoryPlan:
     # that memory (0: not checked). On CPU such items are in the phases.
     host_items: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0
+    rctp_entries: int = field(default=0, repr=False)
 
     def phase_bytes(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -431,14 +434,22 @@ def rollouts_per_rank(cfg, world_size: int = 1) -> int:
     return 2 * held if cfg.grpo.dynamic_sampling else held
 
 
-def _rollouts(cfg, world_size: int) -> dict[str, int]:
-    """The item of the rollouts a rank holds, named by the settings that size it."""
-    n, g = rollouts_per_rank(cfg, world_size), cfg.grpo
-    how = f"grpo.batch_size {g.batch_size} x grpo.group_size {g.group_size}"
-    if world_size // max(1, int(cfg.run.engine_tp_size)) > 1:
-        how += " over the engine groups"
-    if g.dynamic_sampling:
-        how += " x 2 (dynamic sampling)"
+def _rollouts(cfg, stage: str, world_size: int, rctp_entries: int) -> dict[str, int]:
+    """The item of the rollouts a rank holds, named by the settings that size
+    it (none for a stage that holds few)."""
+    g = cfg.grpo
+    if stage in RL_STAGES:
+        n = rollouts_per_rank(cfg, world_size)
+        how = f"grpo.batch_size {g.batch_size} x grpo.group_size {g.group_size}"
+        if world_size // max(1, int(cfg.run.engine_tp_size)) > 1:
+            how += " over the engine groups"
+        if g.dynamic_sampling:
+            how += " x 2 (dynamic sampling)"
+    elif stage == "rctp-data" and rctp_entries:  # rank 0 alone builds the set
+        n = rctp_entries * int(cfg.rctp.failure_attempts)
+        how = f"{rctp_entries} training entries x rctp.failure_attempts {cfg.rctp.failure_attempts}"
+    else:
+        return {}
     label = f"rollouts held ({n}: {how}; <= {g.max_total_tokens} tokens each)"
     return {label: n * int(g.max_total_tokens) * ROLLOUT_BYTES_PER_TOKEN}
 
@@ -466,10 +477,12 @@ def plan_stage(
     device_bytes: int,
     engine_alive: bool = True,
     host_bytes: int = 0,
+    rctp_entries: int = 0,
 ) -> MemoryPlan:
     """Estimate what `stage` needs per rank (see the module docstring for the
     rules). `host_bytes`: on CUDA, the host's memory, which the rollouts of an
-    RL stage must fit (0: not checked)."""
+    RL stage must fit (0: not checked). `rctp_entries`: the training entries
+    "rctp-data" plays rollouts of (0: not counted)."""
     if stage not in RL_STAGES + FINETUNE_STAGES + ENGINE_STAGES:
         raise ValueError(f"unknown stage {stage!r}: one of {RL_STAGES + FINETUNE_STAGES + ENGINE_STAGES}")
     if device_type not in ("cuda", "cpu"):
@@ -490,12 +503,14 @@ def plan_stage(
         notes.append(note)
     plan = dict(stage=stage, device_type=device_type, device_bytes=int(device_bytes), world_size=W,
                 local_world_size=local_world_size, notes=notes, shape=shape, cfg=cfg, engine_alive=engine_alive)
-    rollouts = _rollouts(cfg, W) if stage in RL_STAGES else {}
+    rollouts = _rollouts(cfg, stage, W, rctp_entries)
+    plan["rctp_entries"] = rctp_entries
     if device_type == "cuda":
         plan.update(host_items=rollouts, host_bytes=int(host_bytes))
+    on_host = rollouts if device_type == "cpu" else {}  # on CPU the host is the device
 
     if stage in ENGINE_STAGES:
-        items = {"engine (awake)": awake}
+        items = {"engine (awake)": awake, **on_host}
         if stage == "eval" and device_type == "cpu":
             items["policy loaded to hand over its weights (fp32)"] = 4 * P
         return MemoryPlan(phases={"rollout": items}, **plan)
@@ -540,7 +555,6 @@ def plan_stage(
     asleep_name = "engine (asleep: weights, no KV cache)" if device_type == "cpu" else "engine (asleep)"
     phases: dict[str, dict[str, int]] = {}
     if stage in RL_STAGES:
-        on_host = rollouts if device_type == "cpu" else {}  # the host is the device
         phases["rollout"] = {**held, awake_name: awake, **on_host}
         phases["update"] = {**update, asleep_name: asleep, **on_host}
     else:
@@ -570,7 +584,7 @@ def _replan(plan: MemoryPlan, changes: Optional[dict[str, Any]] = None, world_si
                       world_size=plan.world_size if world_size is None else world_size,
                       local_world_size=plan.local_world_size if local_world_size is None else local_world_size,
                       device_type=plan.device_type, device_bytes=plan.device_bytes, engine_alive=plan.engine_alive,
-                      host_bytes=plan.host_bytes)
+                      host_bytes=plan.host_bytes, rctp_entries=plan.rctp_entries)
 
 
 def _ranks_flag(plan: MemoryPlan, n: int) -> tuple[str, int]:
@@ -587,11 +601,16 @@ def _ranks_flag(plan: MemoryPlan, n: int) -> tuple[str, int]:
 def _rollout_ways(plan: MemoryPlan) -> list[tuple[str, MemoryPlan]]:
     """The largest group size, and the largest batch, that fit (halving), when
     the rollouts held are what does not fit."""
-    if plan.stage not in RL_STAGES:
+    g = plan.cfg.grpo
+    if plan.stage in RL_STAGES:
+        settings = [("grpo.group_size", g.group_size, 2), ("grpo.batch_size", g.batch_size, max(1, g.mini_batches))]
+    elif plan.stage == "rctp-data" and plan.rctp_entries:
+        settings = [("rctp.failure_attempts", plan.cfg.rctp.failure_attempts, 1)]
+    else:
         return []
-    out, g = [], plan.cfg.grpo
-    for key, low in (("grpo.group_size", 2), ("grpo.batch_size", max(1, g.mini_batches))):
-        n = getattr(g, key.split(".")[1]) // 2
+    out = []
+    for key, value, low in settings:
+        n = value // 2
         while n >= low:
             p = _replan(plan, {key: n})
             if p.fits:
@@ -606,11 +625,12 @@ def _ways_out(plan: MemoryPlan) -> list[tuple[str, MemoryPlan]]:
     cfg, out = plan.cfg, []
     lora = cfg.model.lora.enabled
     single = {}  # single-process switches, for the combination below
-    if plan.stage in ENGINE_STAGES:
-        return out
-    rollouts = next((v for k, v in plan.phases.get("update", {}).items() if k.startswith("rollouts held")), 0)
+    peak = plan.phases[plan.peak_phase]
+    rollouts = next((v for k, v in peak.items() if k.startswith("rollouts held")), 0)
     if rollouts > 0.5 * plan.peak_bytes:  # the rollouts are most of the need: fewer of them first
         out.extend(_rollout_ways(plan))
+    if plan.stage in ENGINE_STAGES:
+        return out
 
     if not lora:
         p = _replan(plan, {"model.lora.enabled": True}, world_size=1, local_world_size=1)

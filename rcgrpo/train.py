@@ -134,9 +134,11 @@ def prepare(cfg: Config) -> Prepared:
         check_memory_plan(cfg, device, shape)
     base = resolve_model_folder(cfg.model.name_or_path)
     if shape is None:
-        check_memory_plan(cfg, device, model_shape(cfg.model.name_or_path, resolved=base))
+        shape = model_shape(cfg.model.name_or_path, resolved=base)
+        check_memory_plan(cfg, device, shape)
     tokenizer = load_tokenizer(base)
     entries = training_entries(cfg, tokenizer)
+    check_memory_plan(cfg, device, shape, rctp_entries=len(entries))
     if cfg.rctp.data_file and {"rctp-data", "rctp"} & set(cfg.stages):
         load_records(cfg.rctp.data_file, vocab_size=len(tokenizer))
     elif "rctp" in cfg.stages and "rctp-data" not in cfg.stages:
@@ -175,17 +177,24 @@ def rctp_data_needs_engine(cfg: Config) -> bool:
     return not cfg.rctp.data_file and cfg.rctp.failure_source != "near_miss"
 
 
-def check_memory_plan(cfg: Config, device: torch.device, shape) -> None:
+def check_memory_plan(cfg: Config, device: torch.device, shape, rctp_entries: int | None = None) -> None:
     """Refuse, before any weights load, a training stage that cannot fit the
     device (rcgrpo.memory: weights, gradients, AdamW state, reference,
-    activations and the engine's share, per rank), naming the ways out."""
+    activations and the engine's share, per rank; an RL stage's rollouts),
+    naming the ways out. With `rctp_entries` (known once the training entries
+    are), the rctp-data stage instead, whose rollouts of the starting model
+    are held at once: rctp_entries x rctp.failure_attempts."""
     from rcgrpo.memory import check_stage, device_memory_bytes, plan_stage
 
     pipeline = PIPELINES[cfg.run.pipeline]
     device_bytes = device_memory_bytes(device)
     # On a GPU the rollouts are held in the host's memory (on CPU it is the device).
     host_bytes = device_memory_bytes("cpu") if device.type == "cuda" else 0
-    for stage in (s for s in cfg.stages if s in TRAINED_STAGES):
+    if rctp_entries is None:
+        stages = [s for s in cfg.stages if s in TRAINED_STAGES]
+    else:
+        stages = ["rctp-data"] if "rctp-data" in cfg.stages and rctp_data_needs_engine(cfg) else []
+    for stage in stages:
         earlier = pipeline[:pipeline.index(stage)]
         # The run's one engine lives on once a stage started it.
         engine_alive = stage in RL_STAGES or (
@@ -193,7 +202,7 @@ def check_memory_plan(cfg: Config, device: torch.device, shape) -> None:
         check_stage(plan_stage(shape, cfg, stage, world_size=distributed.world_size(),
                                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                device_type=device.type, device_bytes=device_bytes, engine_alive=engine_alive,
-                               host_bytes=host_bytes))
+                               host_bytes=host_bytes, rctp_entries=rctp_entries or 0))
 
 
 class RunEngine:

@@ -169,6 +169,19 @@ def test_a_group_too_big_for_the_host_is_refused_naming_the_setting_and_a_size_t
     check_stage(plan_stage(shape, fits, "rc-grpo", device_type="cpu", device_bytes=24 * GiB))
 
 
+def test_rctp_data_holds_every_entrys_failure_attempts_at_once():
+    shape = ModelShape.from_config(SMOLLM2)
+    cfg = parse_args(["--rctp.failure_source", "rollouts", "--rctp.failure_attempts", "100000"], check_files=False)
+    plan = plan_stage(shape, cfg, "rctp-data", device_type="cpu", device_bytes=24 * GiB, rctp_entries=2)
+    label = "rollouts held (200000: 2 training entries x rctp.failure_attempts 100000; <= 4096 tokens each)"
+    assert plan.phases["rollout"][label] == 200_000 * 4096 * ROLLOUT_BYTES_PER_TOKEN
+    with pytest.raises(MemoryPlanError, match=r"ways out: --rctp.failure_attempts 25000 \(~"):
+        check_stage(plan)
+    # Unknown entries (0): the engine alone, as before.
+    assert list(plan_stage(shape, cfg, "rctp-data", device_type="cpu", device_bytes=24 * GiB).phases["rollout"]) \
+        == ["engine (awake)"]
+
+
 def test_on_cuda_the_rollouts_must_fit_the_host():
     """The paper's batch and group (256 x 5 of up to 32k tokens, ~3.8 GiB)
     fit a 128 GiB host; 1000 per group does not, said in one line."""

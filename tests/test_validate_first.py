@@ -180,6 +180,17 @@ def test_a_group_too_big_for_the_host_is_refused_by_the_memory_plan(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_failure_attempts_too_many_for_the_host_are_refused_before_the_run_folder(tmp_path, capsys, no_model_loads):
+    """rctp-data plays every training entry's failure attempts at once."""
+    argv = ["--rctp.failure_source", "rollouts", "--rctp.failure_attempts", "10000000", "--out-dir",
+            str(tmp_path / "runs")]
+    assert train_cli.main(argv) == 2
+    line = one_line_error(capsys, "rcgrpo.train")
+    assert "memory plan: stage rctp-data does not fit" in line
+    assert "rollouts held (20000000: 2 training entries x rctp.failure_attempts 10000000" in line
+    assert not (tmp_path / "runs").exists()
+
+
 # ---------------------------------------------------------- finishing
 
 
