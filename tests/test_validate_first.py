@@ -122,10 +122,18 @@ def test_the_rctp_stage_without_its_data_set_is_refused_up_front(tmp_path, capsy
     (["--categories", ""], "--categories must not be empty"),
     (["--categories", "base,"], "--categories has an empty item"),
     (["--ids", ""], "--ids must not be empty"),
+    (["--out", ""], "argument --out: must not be an empty string"),
 ])
 def test_eval_counts_and_lists_are_refused_before_any_model_loads(capsys, no_model_loads, argv, says):
     assert eval_cli.main(["--model", "embedded:smollm2-135m-instruct", *argv]) == 2
     assert says in one_line_error(capsys, "rcgrpo.eval")
+
+
+@pytest.mark.parametrize("argv", [["--model", ""], ["--replay", "", "--out", "x.jsonl"]])
+def test_eval_empty_model_or_replay_path_is_refused(capsys, no_model_loads, argv):
+    """Before: --model '' was resolved as a model name, --replay '' read the working directory."""
+    assert eval_cli.main(argv) == 2
+    assert f"argument {argv[0]}: must not be an empty string" in one_line_error(capsys, "rcgrpo.eval")
 
 
 def test_eval_subset_0_through_the_cli(tmp_path):

@@ -94,6 +94,18 @@ def _setting(key: str, flag: str, tp: type = int):
     return parse
 
 
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be an empty string")
+    return text
+
+
+def _path(text: str) -> Path:
+    """A file or folder argument: "" would be the working directory (Path("")
+    is "."), never what was meant."""
+    return Path(_nonempty(text))
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse's usage errors as one line too (rcgrpo.errors prints it, exit 2)."""
 
@@ -105,10 +117,10 @@ def eval_command(argv: list[str]) -> int:
     parser = _OneLineParser(prog="python -m rcgrpo.eval", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--replay", type=Path, metavar="FILE.jsonl")
+    mode.add_argument("--replay", type=_path, metavar="FILE.jsonl")
     mode.add_argument("--ground-truth", action="store_true")
-    mode.add_argument("--model", metavar="PATH")
-    parser.add_argument("--out", type=Path, metavar="OUT", help="--replay: output JSONL; --model: output folder")
+    mode.add_argument("--model", type=_nonempty, metavar="PATH")
+    parser.add_argument("--out", type=_path, metavar="OUT", help="--replay: output JSONL; --model: output folder")
     parser.add_argument("--split", choices=["test", "train"], default="test")
     parser.add_argument("--subset", type=_setting("eval.subset", "--subset"), default=None,
                         help="first N entries of each category (N >= 1)")
