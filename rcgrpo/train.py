@@ -123,7 +123,10 @@ def prepare(cfg: Config) -> Prepared:
     from rcgrpo.models import load_tokenizer, resolve_model_folder
     from rcgrpo.resume import check_resume
 
-    holder = holder_of(cfg.run_dir)  # first: no other check matters while another run writes there
+    # First: no other check matters while another run writes there. Rank 0
+    # alone looks (it claims the folder; a peer looking later would find
+    # rank 0 itself holding it).
+    holder = holder_of(cfg.run_dir) if distributed.is_main() else None
     if holder is not None:
         raise in_use(cfg.run_dir, holder)
     if cfg.run.resume:

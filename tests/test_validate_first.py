@@ -325,3 +325,18 @@ def test_eval_of_a_run_whose_config_toml_is_nested_too_deeply(tmp_path):
     (tmp_path / "runs" / "r" / "config.toml").write_bytes(b"a = " + TOO_DEEP + b"\n")
     proc = cli(tmp_path, "rcgrpo.eval", "--model", str(stage), timeout=120)
     assert "runs/r/config.toml is not valid TOML: nested too deeply to read" in one_error_line(proc, "rcgrpo.eval")
+
+
+def test_under_torchrun_only_rank_0_checks_that_the_run_folder_is_free(tmp_path, monkeypatch):
+    """Rank 0 claims the folder once its own checks pass; a peer still
+    checking must not take rank 0's lock for another run's."""
+    from rcgrpo.config import parse_args
+    from rcgrpo.run_lock import RunFolderLock
+
+    cfg = parse_args(["--stages", "rctp-data", "--out-dir", str(tmp_path), "--name", "r"])
+    with RunFolderLock(cfg.run_dir):  # rank 0, already past its checks
+        monkeypatch.setattr(train_cli.distributed, "is_main", lambda: False)
+        assert train_cli.prepare(cfg).entries  # a peer's checks pass
+        monkeypatch.setattr(train_cli.distributed, "is_main", lambda: True)
+        with pytest.raises(train_cli.RunInUseError, match=f"in use by process {os.getpid()}"):
+            train_cli.prepare(cfg)  # rank 0 of another job is refused
