@@ -385,3 +385,18 @@ def test_a_stage_model_export_that_runs_out_of_space_is_one_line_and_keeps_the_p
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(models / "rctp")  # the earlier export loads
+
+
+def test_write_failure_reads_the_errno_the_writers_wrap():
+    """ENOSPC cannot be produced here without root (no small filesystem to
+    fill); RLIMIT_FSIZE above produces EFBIG through the same wrappers. The
+    safetensors text for a full disk carries errno 28 the same way."""
+    from safetensors import SafetensorError
+
+    from rcgrpo.checkpoint import write_failure
+
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert write_failure(full) == os.strerror(28)
+    assert write_failure(OSError(28, "No space left on device")) == "No space left on device"
+    assert write_failure(SafetensorError("Error while serializing: header too large")) is None  # not a write
+    assert write_failure(RuntimeError("shape mismatch")) is None and write_failure(KeyError("x")) is None
