@@ -49,9 +49,13 @@ def atomic_output(path: str | os.PathLike, encoding: str = "utf-8") -> Iterator[
         os.fsync(f.fileno())
         f.close()
         os.replace(tmp, path)
-    except BaseException:
-        f.close()
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # closing flushes, which fails again on a full disk
+            f.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:
+            # A failed write or flush names no file: say which one it was.
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
         raise
     fsync_dir(path.parent)
 

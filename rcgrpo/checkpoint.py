@@ -60,6 +60,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointWarning",
+    "SaveError",
+    "write_failure",
     "save_checkpoint",
     "load_latest",
     "list_checkpoints",
@@ -142,6 +144,49 @@ class Checkpoint:
 # ------------------------------------------------------------------ saving
 
 
+class SaveError(UserError, OSError):
+    """A checkpoint or a model could not be written (disk full, a file-size
+    limit, no permission); what was saved before is kept."""
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+# What torch.save's stream writer says when a write fails (it keeps no errno):
+# "PytorchStreamWriter failed writing file ...: file write failed", or
+# "[enforce fail at inline_container.cc:...] unexpected pos ..." after
+# "basic_ios::clear: iostream error".
+_TORCH_WRITE_FAILED = ("file write failed", "PytorchStreamWriter", "inline_container", "iostream error")
+
+
+def write_failure(exc: BaseException, folder: Optional[Path] = None) -> Optional[str]:
+    """The reason when `exc` is a failed write into `folder` (disk full, a
+    file-size limit, no permission), else None (a bug). The writers wrap the
+    OS's error in their own types: safetensors raises SafetensorError("...
+    I/O error: No space left on device (os error 28)"), torch.save a
+    RuntimeError without the errno (then the folder's free space tells)."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    text = " ".join(str(exc).split())
+    if type(exc).__name__ == "SafetensorError":
+        code = _OS_ERROR.search(text)
+        return os.strerror(int(code.group(1))) if code else None
+    if isinstance(exc, RuntimeError):
+        context = " ".join(str(exc.__context__ or "").split())
+        if any(m in text or m in context for m in _TORCH_WRITE_FAILED):
+            try:
+                full = folder is not None and shutil.disk_usage(folder).free < (1 << 20)
+            except OSError:
+                full = False
+            return os.strerror(28) if full else "a write failed (the disk full, or a file-size limit)"
+    return None
+
+
+def _previous(root: Path) -> str:
+    done = list_checkpoints(root) if root.is_dir() else []
+    return f"the previous checkpoint {done[-1]} is intact" if done else "no earlier checkpoint exists"
+
+
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -198,9 +243,13 @@ def save_checkpoint(
             (tmp / "run_config.json").write_text(config_text)
         _write_manifest(tmp, step)
         _fsync_tree(tmp)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # earlier checkpoints are untouched
-        raise
+        reason = write_failure(exc, root)
+        if reason is None:
+            raise
+        raise SaveError(f"checkpoint step {step} could not be written to {root}: {reason}; "
+                        f"{_previous(root)} (free space there, then --resume)") from exc
 
     old = None
     if final.exists():  # the same step saved again (e.g. after a resume)

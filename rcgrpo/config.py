@@ -205,10 +205,13 @@ class GrpoConfig:
 
     lr: float = _f(1e-6, "learning rate (paper)", gt=0)
     batch_size: Optional[int] = _f(
-        None, "prompts per step; none = the paper's batch: 256 for rc-grpo, 64 for grpo", ge=1
+        None, "prompts per step; none = the paper's batch: 256 for rc-grpo, 64 for grpo", ge=1, le=16384,
+        note="the paper uses 256"
     )
-    group_size: int = _f(5, "rollouts per prompt, G (paper)", ge=2,
-                         note="a group of 1 has no relative advantage")
+    # The upper bounds leave the paper's values (G 5, batch 256) far inside;
+    # the memory plan judges what fits below them (rollouts held per step).
+    group_size: int = _f(5, "rollouts per prompt, G (paper)", ge=2, le=1024,
+                         note="a group of 1 has no relative advantage, the paper uses 5")
     steps: int = _f(400, "optimizer steps (the paper's 'epochs' column: 400)", ge=1)
     beta: float = _f(0.1, "KL coefficient to the frozen reference (paper)", ge=0)
     eps_low: float = _f(0.2, "clip range below 1 (paper)", ge=0, lt=1)
@@ -218,7 +221,7 @@ class GrpoConfig:
                             note="greedy rollouts give no group variance")
     top_p: float = _f(1.0, "rollout nucleus sampling (choice)", gt=0, le=1)
     max_new_tokens: int = _f(512, "max tokens per assistant step (choice)", ge=1)
-    max_total_tokens: int = _f(8192, "max tokens of a whole trajectory (choice: the small model's context)")
+    max_total_tokens: int = _f(8192, "max tokens of a whole trajectory (choice: the small model's context)", ge=1)
     loss_type: str = _f("grpo", f"loss normalisation, one of {LOSS_TYPES} (kernels/loss_types.py maps them to "
                         "verl's loss_agg_mode and TRL's loss_type)", choices=LOSS_TYPES)
     advantage_estimator: str = _f(

@@ -40,9 +40,14 @@ def _from_text(text: str, tp, key: str):
     """A CLI string converted to the field's type."""
     inner = optional_inner(tp)
     if inner is not None:
-        return None if text.strip().lower() in ("none", "null", "") else _from_text(text, inner, key)
+        # Only the word spells none: an empty value ("--name ''", an unset
+        # shell variable) is refused by validation, never read as the default.
+        return None if text.strip().lower() in ("none", "null") else _from_text(text, inner, key)
     if typing.get_origin(tp) is list:
-        return [_from_text(p.strip(), typing.get_args(tp)[0], key) for p in text.split(",") if p.strip()]
+        if not text.strip():
+            return []  # refused by validation for a list that must not be empty
+        # Empty items ("a,,b") are kept, so that validation refuses them.
+        return [_from_text(p.strip(), typing.get_args(tp)[0], key) for p in text.split(",")]
     if tp is str:
         return text
     if tp is bool and text.strip().lower() in _BOOLS:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import kernels
+from rcgrpo import json_input
 from rcgrpo.config import Config, ConfigError, all_keys
 
 try:
@@ -154,10 +155,14 @@ def load_toml(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
     try:
-        with p.open("rb") as f:
-            return tomllib.load(f)
+        text = json_input.read_text(p)  # names the first byte that is not UTF-8
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+    except RecursionError:  # tomllib recurses on nested arrays and inline tables
+        raise ConfigError(f"config file {p} is not valid TOML: nested too deeply to read") from None
+    except ValueError as e:
+        raise ConfigError(f"config file {e}") from None
 
 
 def _toml_value(v) -> str:

@@ -32,18 +32,26 @@ def _within(m: dict, v) -> bool:
             and (m["le"] is None or v <= m["le"]) and (m["lt"] is None or v < m["lt"]))
 
 
-def _field_problems(key: str, m: dict, value: Any) -> list[str]:
-    """What in `value` breaks the limits in its field's metadata `m`."""
+def _field_problems(key: str, m: dict, value: Any, name: str = "") -> list[str]:
+    """What in `value` breaks the limits in its field's metadata `m`; the
+    messages call it `name` (a tool's flag) when given, else `key`."""
+    items, key = key.rsplit(".", 1)[-1], name or key
     if value is None:
         return []
     # inf and nan pass most range checks (and 1e400 parses as inf).
     if isinstance(value, float) and not math.isfinite(value):
         return [f"{key} must be a finite number, got {value}"]
     note, choices, out = f" ({m['note']})" if m["note"] else "", m["choices"], []
+    # No text setting means anything when empty (a name, a path, a choice):
+    # "" is a mistake (an unset shell variable), never "the default".
+    if isinstance(value, str) and not value.strip():
+        return [f"{key} must not be an empty string (leave the setting out for its default)"]
+    if isinstance(value, list) and any(isinstance(v, str) and not v.strip() for v in value):
+        return [f"{key} has an empty item: {value}"]
     if isinstance(value, list):
         bad = [v for v in value if choices and v not in choices]
         if bad:  # the key names its items: "data.categories: unknown categories ['web']"
-            out.append(f"{key}: unknown {key.rsplit('.', 1)[-1]} {bad}; known: {list(choices)}")
+            out.append(f"{key}: unknown {items} {bad}; known: {list(choices)}")
         if m["nonempty"] and not value:
             out.append(f"{key} must not be empty{note}")
         if m["unique"] and len(set(value)) != len(value):
@@ -57,9 +65,19 @@ def _field_problems(key: str, m: dict, value: Any) -> list[str]:
     return out
 
 
+def setting_problems(key: str, value: Any, name: str = "") -> list[str]:
+    """What in `value` breaks the limits of the setting `key` (a dotted key of
+    the schema), called `name` in the messages: the check for a tool's flag
+    that stands for a setting."""
+    return _field_problems(key, _FIELDS[key], value, name)
+
+
+_FIELDS = {key: f.metadata for key, f, _, _ in leaves(Config())}
+
+
 # The rules relating settings. Each yields its messages, each starting with
 # the key it is about: `validate` drops those about a setting that is already
-# reported as not finite (nan compares false with everything).
+# reported as not finite (nan compares false with everything) or empty.
 
 
 def _model_rules(cfg: Config) -> Iterator[str]:
@@ -142,15 +160,23 @@ def _missing_files(cfg: Config) -> Iterator[str]:
 RULES = (_model_rules, _batch_rules, _pipeline_rules, _run_rules, _world_rules)
 
 
+def _unusable(value: Any) -> bool:
+    """Not finite, an empty text, or a list holding one: the setting's own
+    problem, which the rules relating it to others would only repeat."""
+    if isinstance(value, list):
+        return any(map(_unusable, value))
+    return (isinstance(value, float) and not math.isfinite(value)) or (isinstance(value, str) and not value.strip())
+
+
 def validate(cfg: Config, check_files: bool = True) -> None:
     """Raise one ConfigError listing every problem found."""
-    problems, not_finite = [], set()
+    problems, unusable = [], set()
     for key, f, _, value in leaves(cfg):
         problems.extend(_field_problems(key, f.metadata, value))
-        if isinstance(value, float) and not math.isfinite(value):
-            not_finite.add(key)
+        if _unusable(value):
+            unusable.add(key)
     for rule in RULES + ((_missing_files,) if check_files else ()):
-        problems.extend(p for p in rule(cfg) if p.split(" ", 1)[0].rstrip(":") not in not_finite)
+        problems.extend(p for p in rule(cfg) if p.split(" ", 1)[0].rstrip(":") not in unusable)
     if problems:
         head = problems[0] if len(problems) == 1 else f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)
         raise ConfigError(f"invalid configuration: {head}", problems)

@@ -65,6 +65,18 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
   time and its 2 GiB KV cache while awake (asleep, the cache's memory is
   released: ``VLLMEngine.sleep``). The transformers engine
   ("hf") loads its own fp32 copy on the host: 4 B/param on CPU, nothing on a GPU.
+* Rollouts, RL stages: a step's rollouts are all held on the host at once
+  (the engine plays them together; their ids, masks and log-probs are Python
+  lists, then the update's trajectories): grpo.batch_size x grpo.group_size of
+  them per engine group (the batch's prompts are split over world size /
+  run.engine_tp_size engine groups; twice that with dynamic sampling, whose
+  scheduled groups are kept beside the kept ones), each up to
+  grpo.max_total_tokens tokens of ~96 B (measured ~77 B: a Python int id, a
+  mask int, a log-prob float, a version per token, plus the lists' growth).
+  On CPU that is part of both phases; on CUDA it is checked against the
+  host's memory (``host_bytes``), shared by the node's ranks. "rctp-data"
+  with rollout failures likewise holds every training entry's
+  rctp.failure_attempts rollouts at once (``rctp_entries`` x attempts).
 * Two phases per RL step, the peak is the larger: rollout = weights + optimizer
   state + reference + engine awake (gradients freed); update = weights +
   gradients + optimizer state + reference + activations + autocast copies +
@@ -90,7 +102,8 @@ from rcgrpo import json_input
 from rcgrpo.errors import UserError
 from rcgrpo.stages import ENGINE_STAGES, FINETUNE_STAGES, RL_STAGES
 
-__all__ = ["ModelShape", "MemoryPlan", "MemoryPlanError", "plan_stage", "check_stage", "device_memory_bytes"]
+__all__ = ["ModelShape", "ModelShapeError", "MemoryPlan", "MemoryPlanError", "plan_stage", "check_stage",
+           "device_memory_bytes"]
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -100,6 +113,7 @@ ENGINE_ASLEEP_CUDA = 1 * GiB  # what a level-1 sleeping vLLM keeps (CUDA graphs,
 ENGINE_CPU_KV_CACHE = 2 * GiB  # train.engine_kwargs: kv_cache_gib=2
 FUSED_CHUNK_ROWS = 256  # kernels.chunked.CHUNK_ROWS
 FUSED_CHUNK_CAP = 256 << 20  # kernels.chunked.CHUNK_BYTES
+ROLLOUT_BYTES_PER_TOKEN = 96  # host bytes per token of a held rollout (see the module docstring)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK_STEPS = (2, 4, 8, 16, 32, 64, 128)
 GPUS_PER_NODE = 8
@@ -107,6 +121,10 @@ GPUS_PER_NODE = 8
 
 class MemoryPlanError(UserError, RuntimeError):
     """A stage's estimated memory need exceeds the device; the message names the ways out."""
+
+
+class ModelShapeError(UserError, ValueError):
+    """A model folder's config.json (or a weights header) cannot be read for its shapes."""
 
 
 # ------------------------------------------------------------------ shapes
@@ -207,11 +225,13 @@ class ModelShape:
         a tensor stored twice, or a tied LM head stored next to its embedding,
         counts once). Without safetensors files, the count from the config."""
         folder = Path(folder)
+        path = folder / "config.json"
         try:
-            config = json_input.loads((folder / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{folder}: cannot read config.json ({e})") from e
-        shape = cls.from_config(config)
+            shape = cls.from_config(json_input.read_file(path, expect=dict))
+        except OSError as e:
+            raise ModelShapeError(f"model config {path} cannot be read: {e.strerror or e}") from None
+        except (ValueError, TypeError) as e:  # not UTF-8 / JSON, too deep, a non-number where a size belongs
+            raise ModelShapeError(f"model config {path} cannot be used: {e}") from None
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             return shape
@@ -219,9 +239,12 @@ class ModelShape:
 
         shapes: dict[str, list[int]] = {}
         for path in files:
-            with safe_open(str(path), framework="numpy") as f:
-                for name in f.keys():
-                    shapes[name] = list(f.get_slice(name).get_shape())
+            try:
+                with safe_open(str(path), framework="numpy") as f:
+                    for name in f.keys():
+                        shapes[name] = list(f.get_slice(name).get_shape())
+            except Exception as e:  # safetensors raises several unrelated types for a bad header
+                raise ModelShapeError(f"weights file {path} cannot be read: {e}") from None
         if shape.tied_embeddings and any(n.endswith("embed_tokens.weight") for n in shapes):
             shapes = {n: s for n, s in shapes.items() if not n.endswith("lm_head.weight")}
         total = 0
@@ -263,6 +286,11 @@ class MemoryPlan:
     shape: Optional[ModelShape] = field(default=None, repr=False)
     cfg: Any = field(default=None, repr=False)
     engine_alive: bool = field(default=True, repr=False)
+    # On CUDA: what each rank holds in the host's memory (the rollouts), and
+    # that memory (0: not checked). On CPU such items are in the phases.
+    host_items: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
+    rctp_entries: int = field(default=0, repr=False)
 
     def phase_bytes(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -292,8 +320,22 @@ class MemoryPlan:
         return self.device_bytes
 
     @property
-    def fits(self) -> bool:
+    def host_need_bytes(self) -> int:
+        """On CUDA: the host memory all of this node's ranks hold (no margin:
+        the device's margin covers the process's own)."""
+        return sum(self.host_items.values()) * max(1, self.local_world_size)
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.host_bytes or self.host_need_bytes <= self.host_bytes
+
+    @property
+    def device_fits(self) -> bool:
         return self.need_bytes <= self.available_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.device_fits and self.host_fits
 
     def biggest(self, n: int = 3) -> list[tuple[str, int]]:
         items = sorted(self.phases[self.peak_phase].items(), key=lambda kv: -kv[1])
@@ -319,6 +361,11 @@ class MemoryPlan:
                          f"{_gib(self.need_bytes * self.local_world_size)} of {_gib(self.device_bytes)}: {verdict}")
         else:
             lines.append(f"  need {_gib(self.need_bytes)} of {_gib(self.available_bytes)}: {verdict}")
+        for k, v in self.host_items.items():
+            lines.append(f"  host: {k}  {_gib(v)} per rank")
+        if self.host_bytes:
+            lines.append(f"  host need {_gib(self.host_need_bytes)} of {_gib(self.host_bytes)}: "
+                         f"{'fits' if self.host_fits else 'does NOT fit'}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -380,6 +427,33 @@ def _activations(shape: ModelShape, cfg, tokens: int, c: int, r: int, lora_in_fe
     return items
 
 
+def rollouts_per_rank(cfg, world_size: int = 1) -> int:
+    """How many rollouts a rank holds at once in an RL step (see the module docstring)."""
+    groups = max(1, world_size // max(1, int(cfg.run.engine_tp_size)))
+    held = _ceil_div(int(cfg.grpo.batch_size), groups) * int(cfg.grpo.group_size)
+    return 2 * held if cfg.grpo.dynamic_sampling else held
+
+
+def _rollouts(cfg, stage: str, world_size: int, rctp_entries: int) -> dict[str, int]:
+    """The item of the rollouts a rank holds, named by the settings that size
+    it (none for a stage that holds few)."""
+    g = cfg.grpo
+    if stage in RL_STAGES:
+        n = rollouts_per_rank(cfg, world_size)
+        how = f"grpo.batch_size {g.batch_size} x grpo.group_size {g.group_size}"
+        if world_size // max(1, int(cfg.run.engine_tp_size)) > 1:
+            how += " over the engine groups"
+        if g.dynamic_sampling:
+            how += " x 2 (dynamic sampling)"
+    elif stage == "rctp-data" and rctp_entries:  # rank 0 alone builds the set
+        n = rctp_entries * int(cfg.rctp.failure_attempts)
+        how = f"{rctp_entries} training entries x rctp.failure_attempts {cfg.rctp.failure_attempts}"
+    else:
+        return {}
+    label = f"rollouts held ({n}: {how}; <= {g.max_total_tokens} tokens each)"
+    return {label: n * int(g.max_total_tokens) * ROLLOUT_BYTES_PER_TOKEN}
+
+
 def _engine(shape: ModelShape, cfg, device_type: str, device_bytes: int) -> tuple[int, int, Optional[str]]:
     """(bytes awake, bytes asleep, note) of the rollout engine on this device."""
     kind = cfg.run.engine
@@ -402,8 +476,13 @@ def plan_stage(
     device_type: str = "cuda",
     device_bytes: int,
     engine_alive: bool = True,
+    host_bytes: int = 0,
+    rctp_entries: int = 0,
 ) -> MemoryPlan:
-    """Estimate what `stage` needs per rank (see the module docstring for the rules)."""
+    """Estimate what `stage` needs per rank (see the module docstring for the
+    rules). `host_bytes`: on CUDA, the host's memory, which the rollouts of an
+    RL stage must fit (0: not checked). `rctp_entries`: the training entries
+    "rctp-data" plays rollouts of (0: not counted)."""
     if stage not in RL_STAGES + FINETUNE_STAGES + ENGINE_STAGES:
         raise ValueError(f"unknown stage {stage!r}: one of {RL_STAGES + FINETUNE_STAGES + ENGINE_STAGES}")
     if device_type not in ("cuda", "cpu"):
@@ -424,9 +503,14 @@ def plan_stage(
         notes.append(note)
     plan = dict(stage=stage, device_type=device_type, device_bytes=int(device_bytes), world_size=W,
                 local_world_size=local_world_size, notes=notes, shape=shape, cfg=cfg, engine_alive=engine_alive)
+    rollouts = _rollouts(cfg, stage, W, rctp_entries)
+    plan["rctp_entries"] = rctp_entries
+    if device_type == "cuda":
+        plan.update(host_items=rollouts, host_bytes=int(host_bytes))
+    on_host = rollouts if device_type == "cpu" else {}  # on CPU the host is the device
 
     if stage in ENGINE_STAGES:
-        items = {"engine (awake)": awake}
+        items = {"engine (awake)": awake, **on_host}
         if stage == "eval" and device_type == "cpu":
             items["policy loaded to hand over its weights (fp32)"] = 4 * P
         return MemoryPlan(phases={"rollout": items}, **plan)
@@ -471,8 +555,8 @@ def plan_stage(
     asleep_name = "engine (asleep: weights, no KV cache)" if device_type == "cpu" else "engine (asleep)"
     phases: dict[str, dict[str, int]] = {}
     if stage in RL_STAGES:
-        phases["rollout"] = {**held, awake_name: awake}
-        phases["update"] = {**update, asleep_name: asleep}
+        phases["rollout"] = {**held, awake_name: awake, **on_host}
+        phases["update"] = {**update, asleep_name: asleep, **on_host}
     else:
         if engine_alive:
             update[asleep_name] = asleep
@@ -499,7 +583,8 @@ def _replan(plan: MemoryPlan, changes: Optional[dict[str, Any]] = None, world_si
     return plan_stage(plan.shape, _with(plan.cfg, changes or {}), plan.stage,
                       world_size=plan.world_size if world_size is None else world_size,
                       local_world_size=plan.local_world_size if local_world_size is None else local_world_size,
-                      device_type=plan.device_type, device_bytes=plan.device_bytes, engine_alive=plan.engine_alive)
+                      device_type=plan.device_type, device_bytes=plan.device_bytes, engine_alive=plan.engine_alive,
+                      host_bytes=plan.host_bytes, rctp_entries=plan.rctp_entries)
 
 
 def _ranks_flag(plan: MemoryPlan, n: int) -> tuple[str, int]:
@@ -513,11 +598,37 @@ def _ranks_flag(plan: MemoryPlan, n: int) -> tuple[str, int]:
     return f"torchrun --nnodes {n // GPUS_PER_NODE} --nproc_per_node {GPUS_PER_NODE}", GPUS_PER_NODE
 
 
+def _rollout_ways(plan: MemoryPlan) -> list[tuple[str, MemoryPlan]]:
+    """The largest group size, and the largest batch, that fit (halving), when
+    the rollouts held are what does not fit."""
+    g = plan.cfg.grpo
+    if plan.stage in RL_STAGES:
+        settings = [("grpo.group_size", g.group_size, 2), ("grpo.batch_size", g.batch_size, max(1, g.mini_batches))]
+    elif plan.stage == "rctp-data" and plan.rctp_entries:
+        settings = [("rctp.failure_attempts", plan.cfg.rctp.failure_attempts, 1)]
+    else:
+        return []
+    out = []
+    for key, value, low in settings:
+        n = value // 2
+        while n >= low:
+            p = _replan(plan, {key: n})
+            if p.fits:
+                out.append((f"--{key} {n}", p))
+                break
+            n //= 2
+    return out
+
+
 def _ways_out(plan: MemoryPlan) -> list[tuple[str, MemoryPlan]]:
     """Candidate changes, each with its re-estimated plan."""
     cfg, out = plan.cfg, []
     lora = cfg.model.lora.enabled
     single = {}  # single-process switches, for the combination below
+    peak = plan.phases[plan.peak_phase]
+    rollouts = next((v for k, v in peak.items() if k.startswith("rollouts held")), 0)
+    if rollouts > 0.5 * plan.peak_bytes:  # the rollouts are most of the need: fewer of them first
+        out.extend(_rollout_ways(plan))
     if plan.stage in ENGINE_STAGES:
         return out
 
@@ -611,9 +722,19 @@ def _ways_out(plan: MemoryPlan) -> list[tuple[str, MemoryPlan]]:
 
 
 def check_stage(plan: MemoryPlan) -> None:
-    """Raise MemoryPlanError (one line) when the plan does not fit its device."""
+    """Raise MemoryPlanError (one line) when the plan does not fit its device
+    (or, on CUDA, its rollouts the host)."""
     if plan.fits:
         return
+    if plan.device_fits:  # CUDA, and the host is short of the rollouts' memory
+        items = ", ".join(f"{k} {_gib(v)} GiB" for k, v in plan.host_items.items())
+        ranks = f" x {plan.local_world_size} ranks on this host" if plan.local_world_size > 1 else ""
+        ways = [f"{f} (~{_gib(p.host_need_bytes)} GiB)" for f, p in _rollout_ways(plan)]
+        raise MemoryPlanError(
+            f"memory plan: stage {plan.stage} does not fit the host's memory: {items}{ranks} = "
+            f"~{_gib(plan.host_need_bytes)} GiB, the host has {_gib(plan.host_bytes)} GiB (rough estimate, see "
+            f"rcgrpo.memory); ways out: {'; '.join(ways) or 'a host with more memory'}"
+        )
     ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
     if plan.device_type == "cpu" and plan.local_world_size == 1:
         have = f"needs ~{_gib(plan.need_bytes)} GiB, the host has {_gib(plan.device_bytes)} GiB"

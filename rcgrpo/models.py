@@ -72,7 +72,7 @@ def check_model_folder(folder: Path) -> None:
         raise ModelFolderError(f"model folder {folder} does not exist")
     config = folder / "config.json"
     try:
-        json_input.loads(config.read_text())
+        json_input.read_file(config, expect=dict)
     except (OSError, ValueError) as e:
         raise ModelFolderError(f"{folder}: config.json missing or not JSON ({e})") from e
     shards = sorted(folder.glob("*.safetensors"))

@@ -64,7 +64,7 @@ def existing_runs(out_dir: Path) -> list[str]:
 def load_saved_config(run_dir: Path) -> Config:
     path = run_dir / SAVED_CONFIG
     try:
-        data = json_input.loads(path.read_text(encoding="utf-8"))
+        data = json_input.read_file(path, expect=dict)
         return Config.from_dict(data, source=str(path), check_files=False)
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
         raise ResumeError(f"--resume: the saved config {path} cannot be used: {one_line(exc)}") from exc

@@ -13,6 +13,7 @@ This file only orchestrates: every stage lives in its own module.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import sys
@@ -26,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rcgrpo import distributed
 from rcgrpo.config import PIPELINES, Config, parse_args
-from rcgrpo.errors import run_command
+from rcgrpo.errors import UserError, run_command
 from rcgrpo.run_lock import LOCK_FILE, RunFolderLock, RunInUseError, holder_of, in_use
 from rcgrpo.stages import FINETUNE_STAGES, RL_STAGES, TRAINED_STAGES
 
@@ -71,21 +72,87 @@ def training_entries(cfg: Config, tokenizer) -> list:
     return fitting
 
 
+RCTP_DATA = "rctp_data.jsonl"  # the rctp-data stage's output, in the run folder
+# What a start writes into its run folder before any stage's work: a folder
+# holding nothing else has nothing saved (a start that failed removes it).
+BOOKKEEPING = frozenset({LOCK_FILE, "config.toml", "config.json"})
+
+
+def holds_nothing_saved(folder: Path) -> bool:
+    return folder.is_dir() and all(p.name in BOOKKEEPING for p in folder.iterdir())
+
+
 def claim_fresh_run_dir(cfg: Config) -> None:
     """A new run never writes into an existing run's folder: it takes the
     first free `<name>-2`, `<name>-3`, ... (`--resume` continues the named one)."""
     from rcgrpo.metrics import log_line
+    from rcgrpo.resume import SAVED_CONFIG
 
     holder = holder_of(cfg.run_dir)
     if holder is not None:
         raise in_use(cfg.run_dir, holder)
-    base, k = cfg.run.name, 1
+    base_dir, base, k = cfg.run_dir, cfg.run.name, 1
     # A folder holding only a lock file (a start that stopped early) is free.
     while cfg.run_dir.exists() and any(p.name != LOCK_FILE for p in cfg.run_dir.iterdir()):
         k += 1
         cfg.run.name = f"{base}-{k}"
     if k > 1:
-        log_line(f"runs/{base} exists: this run uses {cfg.run_dir} (pass --resume to continue {base})")
+        # --resume continues only a folder holding a run's saved config.
+        hint = (f"pass --resume to continue {base}" if (base_dir / SAVED_CONFIG).is_file()
+                else f"{base_dir} holds no run to resume")
+        log_line(f"{base_dir} exists: this run uses {cfg.run_dir} ({hint})")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What a run needs before its folder is claimed, each part checked: the
+    device, the starting model's folder and tokenizer, the training entries."""
+
+    device: torch.device
+    base: Path
+    tokenizer: object
+    entries: list
+
+
+def prepare(cfg: Config) -> Prepared:
+    """Every check that needs no run folder, before one is claimed: a refused
+    resume, the memory plan, the model folder, the training entries, a given
+    RCTP data file (each token id an id of the tokenizer). A problem found
+    here leaves no folder behind and no weights loaded (only the tokenizer)."""
+    from rcgrpo.data.rctp import load_records
+    from rcgrpo.models import load_tokenizer, resolve_model_folder
+    from rcgrpo.resume import check_resume
+
+    # First: no other check matters while another run writes there. Rank 0
+    # alone looks (it claims the folder; a peer looking later would find
+    # rank 0 itself holding it).
+    holder = holder_of(cfg.run_dir) if distributed.is_main() else None
+    if holder is not None:
+        raise in_use(cfg.run_dir, holder)
+    if cfg.run.resume:
+        check_resume(cfg, write=False)  # recorded once the folder is held (_run_stages)
+    device = pick_device(cfg.run.device)
+    shape = model_shape(cfg.model.name_or_path)
+    if shape is not None:
+        check_memory_plan(cfg, device, shape)
+    base = resolve_model_folder(cfg.model.name_or_path)
+    if shape is None:
+        shape = model_shape(cfg.model.name_or_path, resolved=base)
+        check_memory_plan(cfg, device, shape)
+    tokenizer = load_tokenizer(base)
+    entries = training_entries(cfg, tokenizer)
+    check_memory_plan(cfg, device, shape, rctp_entries=len(entries))
+    if cfg.rctp.data_file and {"rctp-data", "rctp"} & set(cfg.stages):
+        load_records(cfg.rctp.data_file, vocab_size=len(tokenizer))
+    elif "rctp" in cfg.stages and "rctp-data" not in cfg.stages:
+        # The RCTP stage trains on the set the rctp-data stage left in the run
+        # folder (a resumed run's), checked like a given file.
+        own = cfg.run_dir / RCTP_DATA
+        if not (cfg.run.resume and own.is_file()):
+            raise UserError(f"run.stages: rctp needs the RCTP data set, and {own} does not exist: add rctp-data "
+                            "to --stages, or give --rctp.data_file")
+        load_records(own, vocab_size=len(tokenizer))
+    return Prepared(device, base, tokenizer, entries)
 
 
 def model_shape(name_or_path: str, resolved: Path | None = None):
@@ -113,22 +180,32 @@ def rctp_data_needs_engine(cfg: Config) -> bool:
     return not cfg.rctp.data_file and cfg.rctp.failure_source != "near_miss"
 
 
-def check_memory_plan(cfg: Config, device: torch.device, shape) -> None:
+def check_memory_plan(cfg: Config, device: torch.device, shape, rctp_entries: int | None = None) -> None:
     """Refuse, before any weights load, a training stage that cannot fit the
     device (rcgrpo.memory: weights, gradients, AdamW state, reference,
-    activations and the engine's share, per rank), naming the ways out."""
+    activations and the engine's share, per rank; an RL stage's rollouts),
+    naming the ways out. With `rctp_entries` (known once the training entries
+    are), the rctp-data stage instead, whose rollouts of the starting model
+    are held at once: rctp_entries x rctp.failure_attempts."""
     from rcgrpo.memory import check_stage, device_memory_bytes, plan_stage
 
     pipeline = PIPELINES[cfg.run.pipeline]
     device_bytes = device_memory_bytes(device)
-    for stage in (s for s in cfg.stages if s in TRAINED_STAGES):
+    # On a GPU the rollouts are held in the host's memory (on CPU it is the device).
+    host_bytes = device_memory_bytes("cpu") if device.type == "cuda" else 0
+    if rctp_entries is None:
+        stages = [s for s in cfg.stages if s in TRAINED_STAGES]
+    else:
+        stages = ["rctp-data"] if "rctp-data" in cfg.stages and rctp_data_needs_engine(cfg) else []
+    for stage in stages:
         earlier = pipeline[:pipeline.index(stage)]
         # The run's one engine lives on once a stage started it.
         engine_alive = stage in RL_STAGES or (
             "rctp-data" in earlier and "rctp-data" in cfg.stages and rctp_data_needs_engine(cfg))
         check_stage(plan_stage(shape, cfg, stage, world_size=distributed.world_size(),
                                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                               device_type=device.type, device_bytes=device_bytes, engine_alive=engine_alive))
+                               device_type=device.type, device_bytes=device_bytes, engine_alive=engine_alive,
+                               host_bytes=host_bytes, rctp_entries=rctp_entries or 0))
 
 
 class RunEngine:
@@ -170,13 +247,15 @@ def run(cfg: Config) -> int:
 
     seed_everything(cfg.data.seed)
     quiet_library_progress()
+    prepared = prepare(cfg)  # every rank checks (the same things), so all of them stop on a problem
     # Rank 0 claims the folder and holds its lock for the whole run; every
     # rank learns the name, or the refusal, from it.
-    lock, in_use = None, None
+    lock, in_use, created = None, None, False
     if distributed.is_main():
         try:
             if not cfg.run.resume:
                 claim_fresh_run_dir(cfg)
+                created = not cfg.run_dir.exists() or holds_nothing_saved(cfg.run_dir)
             if not cfg.run.resume or cfg.run_dir.is_dir():  # a run to resume that is missing: check_resume says so
                 lock = RunFolderLock(cfg.run_dir).acquire()
         except RunInUseError as exc:
@@ -185,18 +264,29 @@ def run(cfg: Config) -> int:
     if in_use:
         raise RunInUseError(in_use)
     try:
-        return _run_stages(cfg)
+        return _run_stages(cfg, prepared)
+    except BaseException:
+        if created and holds_nothing_saved(cfg.run_dir):
+            # This start made the folder and saved nothing into it: the retry
+            # gets the same name, not <name>-2 beside an empty run. Removed
+            # while still locked (every locker is non-blocking, so no one
+            # waits on the lock file that goes with it).
+            with contextlib.suppress(OSError):  # the failure itself is what to report
+                for p in cfg.run_dir.iterdir():
+                    p.unlink()
+                cfg.run_dir.rmdir()
+        raise
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_stages(cfg: Config) -> int:
+def _run_stages(cfg: Config, prepared: Prepared) -> int:
     from rcgrpo.data.divergence import divergences
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
     from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
     from rcgrpo.metrics import METRICS_FILE, log_line, read_records
-    from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
+    from rcgrpo.models import reward_token_ids
     from rcgrpo.policy import TrainablePolicy
     from rcgrpo.report import learning_summary, write_report
     from rcgrpo.resume import check_resume
@@ -206,27 +296,20 @@ def _run_stages(cfg: Config) -> int:
     from rcgrpo.training.grpo import train_rl
     from rcgrpo.training.steer import probe_pairs
 
-    if cfg.run.resume:
-        # Every rank checks (the same files), so all of them stop on a refusal.
-        check_resume(cfg, write=distributed.is_main())
-    device = pick_device(cfg.run.device)
-    shape = model_shape(cfg.model.name_or_path)
-    if shape is not None:
-        check_memory_plan(cfg, device, shape)
-    base = resolve_model_folder(cfg.model.name_or_path)
-    if shape is None:
-        check_memory_plan(cfg, device, model_shape(cfg.model.name_or_path, resolved=base))
-    tokenizer = load_tokenizer(base)
+    if cfg.run.resume and distributed.is_main():
+        check_resume(cfg, write=True)  # checked in prepare; now recorded, with the folder held
+    device, base, tokenizer, entries = prepared.device, prepared.base, prepared.tokenizer, prepared.entries
     token_ids = list(reward_token_ids(tokenizer).values())
+    vocab_size = len(tokenizer)
     ctx = RunContext(cfg, device, tokenizer, base)
     if distributed.is_main():
         cfg.save(ctx.run_dir)
-    entries = training_entries(cfg, tokenizer)
+    produced: list[str] = []  # what this invocation's stages left, for the last line
     log_line(f"run folder {ctx.run_dir}; {len(entries)} training entries; stages {cfg.stages}; fused={cfg.run.fused}")
 
     engine = RunEngine(cfg, device)
     current = base  # the policy the next stage starts from
-    data_path = ctx.run_dir / "rctp_data.jsonl"
+    data_path = ctx.run_dir / RCTP_DATA
     rollout_cfg = RolloutConfig(max_new_tokens=cfg.grpo.max_new_tokens, max_total_tokens=cfg.grpo.max_total_tokens,
                                 temperature=cfg.rctp.failure_temperature, seed=cfg.data.seed,
                                 doc_style=cfg.data.doc_style, progress=True)
@@ -247,7 +330,7 @@ def _run_stages(cfg: Config) -> int:
             continue
         if stage == "rctp-data":
             if cfg.rctp.data_file:
-                records = load_records(cfg.rctp.data_file)
+                records = load_records(cfg.rctp.data_file, vocab_size)
             elif not rctp_data_needs_engine(cfg):
                 records = build_rctp(None, entries, tokenizer, rollout_cfg, cfg.rctp,
                                      cfg.data.seed) if distributed.is_main() else []
@@ -261,12 +344,13 @@ def _run_stages(cfg: Config) -> int:
                 save_records(records, data_path)
                 ctx.mark_done(stage, summary(records))
                 log_line(f"[rctp-data] {summary(records)} -> {data_path}")
+                produced.append(f"{data_path} ({len(records)} records)")
             distributed.barrier()
         elif stage in FINETUNE_STAGES:
             pairs = []
             if stage == "rctp":
                 source = data_path if data_path.exists() or not cfg.rctp.data_file else cfg.rctp.data_file
-                records = load_records(source)
+                records = load_records(source, vocab_size)
                 trajectories = [r.trajectory() for r in records]
                 pairs = probe_pairs(divergences(records), cfg.rctp.steer_pairs, cfg.data.seed)
             else:
@@ -276,6 +360,7 @@ def _run_stages(cfg: Config) -> int:
                      steer_pairs=pairs, steer_every=cfg.rctp.steer_every)
             current = ctx.export_model(stage, policy)
             ctx.mark_done(stage, {"trajectories": len(trajectories)})
+            produced.append(str(current))
             del policy
         elif stage in RL_STAGES:
             live = engine.start(current)
@@ -286,6 +371,7 @@ def _run_stages(cfg: Config) -> int:
             engine.holds = None  # the last update's weights were never pushed
             current = ctx.export_model(stage, policy)
             ctx.mark_done(stage, {"steps": cfg.grpo.steps})
+            produced.append(str(current))
             del policy
         elif stage == "eval":
             # Rank 0 evaluates; the other ranks only hold their engines alongside.
@@ -297,14 +383,16 @@ def _run_stages(cfg: Config) -> int:
             if result is not None:
                 _, md_path = write_eval(result, ctx.run_dir, cfg.run.pipeline)
                 print(md_path.read_text())
+                produced.append(str(md_path))
     if distributed.is_main():
         if (ctx.run_dir / METRICS_FILE).exists():
             report = write_report(ctx.run_dir)
             learnt = learning_summary(read_records(ctx.run_dir / METRICS_FILE)[0])
             print("\n".join(["what it learnt:", *learnt, ""]) if learnt else "", end="")
             print(f"report: {report}\nplots: {', '.join(str(p) for p in sorted(ctx.run_dir.glob('*.png')))}")
-        else:  # e.g. --stages rctp-data: no stage that logs metrics ran
-            log_line(f"no training stage ran: no report ({ctx.run_dir})")
+        else:  # e.g. --stages rctp-data: no stage that logs metrics ran, which is no failure
+            made = ", ".join(produced) if produced else "nothing new (its stages were done already)"
+            print(f"done: stages {cfg.stages} produced {made}; no training stage ran, so no report")
     return 0
 
 

@@ -306,3 +306,97 @@ def test_recovery_restores_old_when_the_new_save_is_incomplete(tmp_path):
         ck = load_latest(tmp_path)
     assert ck.step == 5 and ck.extra == {"seed": 2}
     assert any("restored as ckpt-00000005" in str(w.message) for w in caught)
+
+
+DISK_FULL_SAVE = """
+import resource, signal, sys
+from pathlib import Path
+from rcgrpo.checkpoint import save_checkpoint
+from rcgrpo.errors import run_command
+from tests.test_checkpoint import make_run, train_steps
+
+root, part = Path(sys.argv[1]), sys.argv[2]
+model, opt, sched = make_run()
+train_steps(model, opt, sched, 2, seed=0)  # the optimizer has state: optimizer.pt outweighs the weights
+first = save_checkpoint(root, 1, model, optimizer=opt, scheduler=sched)
+weights = (first / "model" / "model.safetensors").stat().st_size
+# Writes past the limit fail with EFBIG (SIGXFSZ ignored, as a full disk fails
+# them with ENOSPC): below the weights' size the safetensors write fails, just
+# above it torch.save's of the optimizer state.
+limit = 1024 if part == "weights" else weights + 1
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+sys.exit(run_command("rcgrpo.train", lambda argv: save_checkpoint(root, 2, model, optimizer=opt, scheduler=sched)
+                     and 0, []))
+"""
+
+
+@pytest.mark.parametrize("part, reason", [("weights", "File too large"),
+                                          ("optimizer", "a write failed (the disk full, or a file-size limit)")])
+def test_a_save_that_runs_out_of_space_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, part, reason):
+    """A real failed write (RLIMIT_FSIZE in a subprocess), in the safetensors
+    writer or in torch.save. Before: internal error: SafetensorError /
+    RuntimeError ("unexpected pos ..."), exit 1."""
+    root = tmp_path / "ckpts"
+    env = {k: v for k, v in os.environ.items() if k != "RCGRPO_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", DISK_FULL_SAVE, str(root), part], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rcgrpo.train: ")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0] == (f"rcgrpo.train: error: checkpoint step 2 could not be written to {root}: {reason}; "
+                        f"the previous checkpoint {root / 'ckpt-00000001'} is intact (free space there, then --resume)")
+    assert [p.name for p in list_checkpoints(root)] == ["ckpt-00000001"]
+    assert not (root / "ckpt-00000002.tmp").exists() and (root / "latest").read_text().strip() == "ckpt-00000001"
+    verify_checkpoint(root / "ckpt-00000001")
+    assert load_latest(root).step == 1
+
+
+DISK_FULL_EXPORT = """
+import resource, signal, sys
+from pathlib import Path
+import torch
+from rcgrpo.config import parse_args
+from rcgrpo.errors import run_command
+from rcgrpo.training.context import RunContext
+from tests.test_checkpoint import tiny_model, tiny_tokenizer
+
+cfg = parse_args(["--out-dir", sys.argv[1], "--name", "r"], check_files=False)
+ctx = RunContext(cfg, torch.device("cpu"), tiny_tokenizer(), Path("."))
+model = tiny_model()
+ctx._replace_model_dir("rctp", model.save_pretrained)  # the stage's model, exported once
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+sys.exit(run_command("rcgrpo.train", lambda argv: ctx._replace_model_dir("rctp", model.save_pretrained) and 0, []))
+"""
+
+
+def test_a_stage_model_export_that_runs_out_of_space_is_one_line_and_keeps_the_previous_one(tmp_path):
+    """The same for a stage's exported model (the safetensors writer under a
+    real file-size limit). Before: internal error: SafetensorError, exit 1."""
+    env = {k: v for k, v in os.environ.items() if k != "RCGRPO_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", DISK_FULL_EXPORT, str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rcgrpo.train: ")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    models = tmp_path / "r" / "models"
+    assert lines[0] == (f"rcgrpo.train: error: the model of stage rctp could not be written to {models / 'rctp.tmp'}: "
+                        "File too large (free space there, then --resume)")
+    assert sorted(p.name for p in models.iterdir()) == ["rctp"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(models / "rctp")  # the earlier export loads
+
+
+def test_write_failure_reads_the_errno_the_writers_wrap():
+    """ENOSPC cannot be produced here without root (no small filesystem to
+    fill); RLIMIT_FSIZE above produces EFBIG through the same wrappers. The
+    safetensors text for a full disk carries errno 28 the same way."""
+    from safetensors import SafetensorError
+
+    from rcgrpo.checkpoint import write_failure
+
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert write_failure(full) == os.strerror(28)
+    assert write_failure(OSError(28, "No space left on device")) == "No space left on device"
+    assert write_failure(SafetensorError("Error while serializing: header too large")) is None  # not a write
+    assert write_failure(RuntimeError("shape mismatch")) is None and write_failure(KeyError("x")) is None

@@ -99,7 +99,7 @@ def test_cli_forms():
         (["--grpo.lr"], "--grpo.lr needs a value"),
         (["--grpo.lr", "0"], "grpo.lr must be > 0"),
         (["--rctp.lr", "-1e-5"], "rctp.lr must be > 0"),
-        (["--grpo.group_size", "1"], "grpo.group_size must be >= 2"),
+        (["--grpo.group_size", "1"], "grpo.group_size must be in [2, 1024]"),
         (["--grpo.p_high", "1.5"], "grpo.p_high must be in [0, 1]"),
         (["--grpo.eps_low", "-0.1"], "grpo.eps_low must be in [0, 1)"),
         (["--grpo.eps_high", "-0.1"], "grpo.eps_high must be >= 0"),
@@ -307,3 +307,62 @@ def test_reading_a_config_loads_no_model_library():
     code = ("import sys; from rcgrpo.config import parse_args; parse_args([]); "
             "assert not {'transformers', 'vllm', 'bfcl_eval'} & set(sys.modules), 'a model library imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+TEXT_KEYS = [k for k, (tp, _) in C.all_keys().items() if str in (tp, optional_inner(tp))]
+LIST_KEYS = [k for k, (tp, _) in C.all_keys().items() if "list" in str(tp)]
+
+
+@pytest.mark.parametrize("key", TEXT_KEYS)
+def test_every_text_setting_refuses_an_empty_string(key):
+    """"" is a mistake (an unset shell variable), never the default: from a
+    flag and from a file alike."""
+    with pytest.raises(ConfigError) as info:
+        parse_args([f"--{key}", ""], check_files=False)
+    if key == "preset":  # a preset is looked up as the command line is read
+        assert str(info.value).startswith("unknown preset ''")
+    else:
+        assert f"{key} must not be an empty string (leave the setting out for its default)" in info.value.problems
+
+
+@pytest.mark.parametrize("key", LIST_KEYS)
+def test_every_list_setting_refuses_an_empty_item(key, tmp_path):
+    with pytest.raises(ConfigError, match=f"{key} has an empty item"):
+        parse_args([f"--{key}", "a,,b"], check_files=False)
+    section, name = key.rsplit(".", 1)
+    path = tmp_path / "c.toml"
+    path.write_text(f'[{section}]\n{name} = ["a", " "]\n')
+    with pytest.raises(ConfigError, match=f"{key} has an empty item"):
+        parse_args(["--config", str(path)], check_files=False)
+
+
+def test_empty_text_in_a_file_is_refused_too(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[run]\nname = ""\nout_dir = " "\n')
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(path)], check_files=False)
+    assert sorted(info.value.problems) == [
+        "run.name must not be an empty string (leave the setting out for its default)",
+        "run.out_dir must not be an empty string (leave the setting out for its default)",
+    ]
+
+
+def test_the_papers_group_and_batch_are_inside_the_bounds():
+    cfg = parse_args(["--preset", "none"], check_files=False)
+    assert (cfg.grpo.group_size, cfg.grpo.batch_size) == (5, 256)
+    parse_args(["--grpo.group_size", "1024", "--grpo.batch_size", "16384"], check_files=False)
+    with pytest.raises(ConfigError, match=r"grpo.group_size must be in \[2, 1024\]"):
+        parse_args(["--grpo.group_size", "1025"], check_files=False)
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"[grpo]\nlr = 1e-6\n\xff\xfe\n", "is not UTF-8 text (byte 17: invalid start byte)"),
+    (b"a = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "is not valid TOML: nested too deeply to read"),
+    (b"a = " + b"{b = " * 50_000 + b"1" + b"}" * 50_000 + b"\n", "is not valid TOML: nested too deeply to read"),
+])
+def test_a_config_file_not_utf8_or_nested_too_deeply_is_a_config_error(tmp_path, content, says):
+    path = tmp_path / "c.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(path)], check_files=False)
+    assert f"config file {path} {says}" in str(info.value)

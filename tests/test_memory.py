@@ -8,6 +8,7 @@ import pytest
 from rcgrpo.config import parse_args
 from rcgrpo.memory import (
     ENGINE_CPU_KV_CACHE,
+    ROLLOUT_BYTES_PER_TOKEN,
     GiB,
     MemoryPlanError,
     ModelShape,
@@ -136,6 +137,70 @@ def test_cpu_default_fits_in_24_gb_and_moves_the_right_way():
     assert eight < two < one
 
 
+def test_rollouts_held_grow_with_batch_and_group():
+    """A step holds batch x group rollouts of up to max_total_tokens tokens:
+    before, the plan left them out, and --grpo.group_size 100000 passed."""
+    shape = ModelShape.from_config(SMOLLM2)
+    cfg = parse_args(["--grpo.batch_size", "8", "--grpo.group_size", "6"], check_files=False)
+    plan = plan_stage(shape, cfg, "rc-grpo", device_type="cpu", device_bytes=24_000_000_000)
+    label = "rollouts held (48: grpo.batch_size 8 x grpo.group_size 6; <= 4096 tokens each)"
+    assert plan.phases["rollout"][label] == plan.phases["update"][label] == 48 * 4096 * ROLLOUT_BYTES_PER_TOKEN
+    assert not any(k.startswith("rollouts") for k in
+                   plan_stage(shape, cfg, "rctp", device_type="cpu", device_bytes=24_000_000_000).phases["update"])
+    bigger = parse_args(["--grpo.batch_size", "8", "--grpo.group_size", "12"], check_files=False)
+    grown = plan_stage(shape, bigger, "rc-grpo", device_type="cpu", device_bytes=24_000_000_000)
+    assert grown.need_bytes > plan.need_bytes
+    # Four engine groups each hold a quarter of the batch's prompts.
+    split = plan_stage(shape, cfg, "rc-grpo", device_type="cpu", device_bytes=10**12, world_size=4,
+                       local_world_size=4)
+    assert "rollouts held (12: grpo.batch_size 8 x grpo.group_size 6 over the engine groups; <= 4096 tokens each)" \
+        in split.phases["update"]
+
+
+def test_a_group_too_big_for_the_host_is_refused_naming_the_setting_and_a_size_that_fits():
+    shape = ModelShape.from_config(SMOLLM2)
+    cfg = parse_args(["--grpo.batch_size", "256", "--grpo.group_size", "1000"], check_files=False)
+    with pytest.raises(MemoryPlanError) as err:
+        check_stage(plan_stage(shape, cfg, "rc-grpo", device_type="cpu", device_bytes=24 * GiB))
+    msg = str(err.value)
+    assert "rollouts held (256000: grpo.batch_size 256 x grpo.group_size 1000; <= 4096 tokens each) 93.8 GiB" in msg
+    assert "ways out: --grpo.group_size 31 (~" in msg and "--grpo.batch_size 8 (~" in msg
+    fits = parse_args(["--grpo.batch_size", "256", "--grpo.group_size", "31"], check_files=False)
+    check_stage(plan_stage(shape, fits, "rc-grpo", device_type="cpu", device_bytes=24 * GiB))
+
+
+def test_rctp_data_holds_every_entrys_failure_attempts_at_once():
+    shape = ModelShape.from_config(SMOLLM2)
+    cfg = parse_args(["--rctp.failure_source", "rollouts", "--rctp.failure_attempts", "100000"], check_files=False)
+    plan = plan_stage(shape, cfg, "rctp-data", device_type="cpu", device_bytes=24 * GiB, rctp_entries=2)
+    label = "rollouts held (200000: 2 training entries x rctp.failure_attempts 100000; <= 4096 tokens each)"
+    assert plan.phases["rollout"][label] == 200_000 * 4096 * ROLLOUT_BYTES_PER_TOKEN
+    with pytest.raises(MemoryPlanError, match=r"ways out: --rctp.failure_attempts 25000 \(~"):
+        check_stage(plan)
+    # Unknown entries (0): the engine alone, as before.
+    assert list(plan_stage(shape, cfg, "rctp-data", device_type="cpu", device_bytes=24 * GiB).phases["rollout"]) \
+        == ["engine (awake)"]
+
+
+def test_on_cuda_the_rollouts_must_fit_the_host():
+    """The paper's batch and group (256 x 5 of up to 32k tokens, ~3.8 GiB)
+    fit a 128 GiB host; 1000 per group does not, said in one line."""
+    host = 128 * GiB
+    plan = plan_stage(ModelShape.from_config(QWEN7B), paper_cfg(), "rc-grpo", world_size=8, local_world_size=8,
+                      device_type="cuda", device_bytes=H200, host_bytes=host)
+    assert plan.fits, plan.summary()
+    assert 3 * GiB < sum(plan.host_items.values()) * 8 < 5 * GiB
+    big = plan_stage(ModelShape.from_config(QWEN7B), paper_cfg("--grpo.group_size", "1000"), "rc-grpo",
+                     world_size=8, local_world_size=8, device_type="cuda", device_bytes=H200, host_bytes=host)
+    assert big.device_fits and not big.fits
+    with pytest.raises(MemoryPlanError) as err:
+        check_stage(big)
+    msg = str(err.value)
+    assert "\n" not in msg and "does not fit the host's memory" in msg
+    assert "grpo.batch_size 256 x grpo.group_size 1000 over the engine groups" in msg
+    assert "x 8 ranks on this host" in msg and "ways out: --grpo.group_size " in msg
+
+
 def test_cpu_ranks_share_the_host():
     shape = ModelShape.from_config(QWEN7B)
     cfg = paper_cfg("--device", "cpu", "--model.dtype", "float32")
@@ -200,4 +265,4 @@ def test_the_trainer_refuses_the_plan_before_any_weights_load(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert code == 2, err
     assert "memory plan: stage rctp does not fit" in err and "--model.lora.enabled true" in err
-    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.safetensors"))
+    assert not (tmp_path / "runs").exists()  # refused before the run folder was made

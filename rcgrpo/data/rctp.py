@@ -20,6 +20,7 @@ JSONL file so the fine-tuning stage can re-run without regenerating.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -175,13 +176,62 @@ class RctpDataError(UserError, ValueError):
     """An RCTP data file is missing, unreadable, malformed or empty (names the file and line)."""
 
 
-def load_records(path: Path) -> list[Record]:
+KINDS = ("expert", "failure", "perturbed")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no token id
+
+
+def _field_problem(record: Record, vocab_size: int | None) -> str | None:
+    """The first field of `record` (as read from JSON) of the wrong type or
+    out of range, as "field: what is wrong"; None when every field is right.
+    Token ids must be ids of the tokenizer (`vocab_size`, when given): one out
+    of range would otherwise fail only inside the model's embedding."""
+    if not isinstance(record.entry_id, str):
+        return f"entry_id: expected a string, got {record.entry_id!r}"
+    if record.kind not in KINDS:
+        return f"kind: expected one of {KINDS}, got {record.kind!r}"
+    for name in ("reward", "r_state", "r_action"):
+        v = getattr(record, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return f"{name}: expected a finite number, got {v!r}"
+    if not isinstance(record.valid, bool):
+        return f"valid: expected true or false, got {record.valid!r}"
+    if record.reward_token is not None and not isinstance(record.reward_token, str):
+        return f"reward_token: expected a string or null, got {record.reward_token!r}"
+    if not isinstance(record.end_reason, str):
+        return f"end_reason: expected a string, got {record.end_reason!r}"
+    for name in ("token_ids", "sampled_mask"):
+        if not isinstance(getattr(record, name), list):
+            return f"{name}: expected a list of integers, got {type(getattr(record, name)).__name__}"
+    if not record.token_ids:
+        return "token_ids: empty"
+    for i, t in enumerate(record.token_ids):
+        if not _is_int(t):
+            return f"token_ids[{i}]: expected an integer token id, got {t!r}"
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            limit = f"the tokenizer's {vocab_size}" if vocab_size is not None else "a valid"
+            return f"token_ids[{i}]: {t} is outside {limit} token ids (0 <= id < vocabulary size)"
+    for i, m in enumerate(record.sampled_mask):
+        if not _is_int(m) or m not in (0, 1):
+            return f"sampled_mask[{i}]: expected 0 or 1, got {m!r}"
+    if len(record.token_ids) != len(record.sampled_mask):
+        return (f"sampled_mask: {len(record.sampled_mask)} entries for {len(record.token_ids)} token_ids "
+                "(ids and mask differ in length)")
+    return None
+
+
+def load_records(path: Path, vocab_size: int | None = None) -> list[Record]:
+    """The records of an RCTP JSONL file, every field checked (token ids
+    against `vocab_size`, the tokenizer's, when given); RctpDataError names
+    the file, the line (record) and the field of the first problem."""
     if not Path(path).exists():
         raise RctpDataError(f"RCTP data file is missing: {path}")
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise RctpDataError(f"RCTP data file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        lines = json_input.read_text(path).splitlines()
+    except ValueError as exc:
+        raise RctpDataError(f"RCTP data file {exc}") from None
     records = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -191,11 +241,15 @@ def load_records(path: Path) -> list[Record]:
             if isinstance(row, dict) and "loss_mask" in row and "sampled_mask" not in row:
                 # Files written before the field was renamed keep loading (same meaning).
                 row["sampled_mask"] = row.pop("loss_mask")
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
             record = Record(**row)
         except (ValueError, TypeError) as exc:
             raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno}: {exc}") from None
-        if len(record.token_ids) != len(record.sampled_mask):
-            raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno}: ids and mask differ in length")
+        problem = _field_problem(record, vocab_size)
+        if problem:
+            raise RctpDataError(f"RCTP data file is malformed: {path}:{lineno} (record {len(records) + 1}, "
+                                f"entry {record.entry_id!r}): {problem}")
         records.append(record)
     if not records:
         raise RctpDataError(f"RCTP data file {path} holds no records")

@@ -50,14 +50,10 @@ def evaluate_model(args) -> int:
     from rcgrpo.models import load_tokenizer, resolve_model_folder
     from rcgrpo.rollout import make_engine
 
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
-    unknown = sorted(set(categories) - set(CATEGORIES))
-    if unknown:
-        raise SystemExit(f"unknown categories {unknown}; choose from {CATEGORIES}")
+    categories = args.categories
     entries = select_entries(args.split, categories, args.subset)
-    if args.ids:
-        wanted = [i.strip() for i in args.ids.split(",") if i.strip()]
-        entries = named_entries(entries, wanted, "--ids", f"in the {args.split} split of {categories}")
+    if args.ids is not None:
+        entries = named_entries(entries, args.ids, "--ids", f"in the {args.split} split of {categories}")
     folder = resolve_model_folder(args.model)
     kwargs = {} if args.engine == "hf" else {"max_model_len": settings.max_total_tokens}
     engine = make_engine(args.engine, folder, **kwargs)
@@ -76,6 +72,40 @@ def main(argv: list[str] | None = None) -> int:
     return run_command("rcgrpo.eval", eval_command, argv)
 
 
+def _setting(key: str, flag: str, tp: type = int):
+    """An argparse type for the flag that stands for the setting `key`: a
+    value within the limits the schema gives that setting (rcgrpo/config.py),
+    checked as the command line is read, before any model loads."""
+    from rcgrpo.config_validation import setting_problems
+
+    def parse(text: str):
+        if tp is list:  # comma-separated names; empty items are kept, so that they are refused
+            value = [n.strip() for n in text.split(",")] if text.strip() else []
+        else:
+            try:
+                value = tp(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"invalid {tp.__name__} value: {text!r}") from None
+        problems = setting_problems(key, value, flag)
+        if problems:
+            raise argparse.ArgumentTypeError("; ".join(problems))
+        return value
+
+    return parse
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be an empty string")
+    return text
+
+
+def _path(text: str) -> Path:
+    """A file or folder argument: "" would be the working directory (Path("")
+    is "."), never what was meant."""
+    return Path(_nonempty(text))
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse's usage errors as one line too (rcgrpo.errors prints it, exit 2)."""
 
@@ -87,21 +117,27 @@ def eval_command(argv: list[str]) -> int:
     parser = _OneLineParser(prog="python -m rcgrpo.eval", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--replay", type=Path, metavar="FILE.jsonl")
+    mode.add_argument("--replay", type=_path, metavar="FILE.jsonl")
     mode.add_argument("--ground-truth", action="store_true")
-    mode.add_argument("--model", metavar="PATH")
-    parser.add_argument("--out", type=Path, metavar="OUT", help="--replay: output JSONL; --model: output folder")
+    mode.add_argument("--model", type=_nonempty, metavar="PATH")
+    parser.add_argument("--out", type=_path, metavar="OUT", help="--replay: output JSONL; --model: output folder")
     parser.add_argument("--split", choices=["test", "train"], default="test")
-    parser.add_argument("--subset", type=int, default=None, help="first N entries of each category")
-    parser.add_argument("--categories", default=",".join(CATEGORIES))
-    parser.add_argument("--ids", default="", help="--model: only these comma-separated entry ids of the split")
+    parser.add_argument("--subset", type=_setting("eval.subset", "--subset"), default=None,
+                        help="first N entries of each category (N >= 1)")
+    parser.add_argument("--categories", type=_setting("eval.categories", "--categories", list),
+                        default=list(CATEGORIES),
+                        help=f"comma-separated, of {','.join(CATEGORIES)} (default: all)")
+    parser.add_argument("--ids", type=_setting("data.entry_ids", "--ids", list), default=None,
+                        help="--model: only these comma-separated entry ids of the split")
     # None = not given: resolve_eval_settings fills them from the model's run, else the built-in defaults.
     parser.add_argument("--conditioning", choices=CONDITIONING_NAMES, default=None,
                         help="reward token in the prompt (default: the run's eval.conditioning for a stage trained "
                              "with reward tokens, else none; outside a run: high if the model has the tokens)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
+    parser.add_argument("--max-new-tokens", type=_setting("eval.max_new_tokens", "--max-new-tokens"),
+                        default=None,
                         help="default: the run's eval.max_new_tokens, else 512")
-    parser.add_argument("--max-total-tokens", type=int, default=None,
+    parser.add_argument("--max-total-tokens", type=_setting("grpo.max_total_tokens", "--max-total-tokens"),
+                        default=None,
                         help="default: the run's grpo.max_total_tokens, else 8192")
     parser.add_argument("--doc-style", default=None, choices=DOC_STYLES,
                         help="default: the run's data.doc_style, else compact")

@@ -11,7 +11,7 @@ import torch
 
 from rcgrpo import distributed
 from rcgrpo.atomic import atomic_write_text
-from rcgrpo.checkpoint import load_latest, save_checkpoint
+from rcgrpo.checkpoint import SaveError, load_latest, save_checkpoint, write_failure
 from rcgrpo.config import Config
 from rcgrpo.metrics import DiscardingLogger, MetricsLogger, log_line
 from rcgrpo.policy import TrainablePolicy
@@ -60,8 +60,17 @@ class RunContext:
         tmp = final.with_name(final.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        write_model(tmp)
-        self.tokenizer.save_pretrained(tmp)
+        try:
+            write_model(tmp)
+            self.tokenizer.save_pretrained(tmp)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            reason = write_failure(exc, final.parent)
+            if reason is None:
+                raise
+            # The stage's checkpoints are untouched: a --resume redoes only the export.
+            raise SaveError(f"the model of stage {stage} could not be written to {tmp}: {reason} "
+                            f"(free space there, then --resume)") from exc
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
