@@ -261,7 +261,7 @@ class GrpoConfig:
         "before the first step and after the last; under each reward token when the policy knows them); 0 = off",
         resume_safe=True, ge=0)
     eval_rollouts: int = _f(64, "rollouts per measurement and reward token, over at most as many training entries",
-                            resume_safe=True, ge=1)
+                            resume_safe=True, ge=1, le=16384)
 
 
 @dataclass

@@ -76,7 +76,9 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
   On CPU that is part of both phases; on CUDA it is checked against the
   host's memory (``host_bytes``), shared by the node's ranks. "rctp-data"
   with rollout failures likewise holds every training entry's
-  rctp.failure_attempts rollouts at once (``rctp_entries`` x attempts).
+  rctp.failure_attempts rollouts at once (``rctp_entries`` x attempts);
+  the sampled-reward probe (grpo.eval_rollouts, every grpo.eval_every steps)
+  holds its rollouts at once between steps: the larger count is planned.
 * Two phases per RL step, the peak is the larger: rollout = weights + optimizer
   state + reference + engine awake (gradients freed); update = weights +
   gradients + optimizer state + reference + activations + autocast copies +
@@ -445,6 +447,11 @@ def _rollouts(cfg, stage: str, world_size: int, rctp_entries: int) -> dict[str, 
             how += " over the engine groups"
         if g.dynamic_sampling:
             how += " x 2 (dynamic sampling)"
+        # The sampled-reward probe plays its rollouts at once too (on every
+        # rank), between steps: the larger of the two is what is held.
+        probe = int(g.eval_rollouts) if int(g.eval_every) > 0 else 0
+        if probe > n:
+            n, how = probe, f"grpo.eval_rollouts {probe}, the sampled-reward probe"
     elif stage == "rctp-data" and rctp_entries:  # rank 0 alone builds the set
         n = rctp_entries * int(cfg.rctp.failure_attempts)
         how = f"{rctp_entries} training entries x rctp.failure_attempts {cfg.rctp.failure_attempts}"

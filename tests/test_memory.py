@@ -141,7 +141,9 @@ def test_rollouts_held_grow_with_batch_and_group():
     """A step holds batch x group rollouts of up to max_total_tokens tokens:
     before, the plan left them out, and --grpo.group_size 100000 passed."""
     shape = ModelShape.from_config(SMOLLM2)
-    cfg = parse_args(["--grpo.batch_size", "8", "--grpo.group_size", "6"], check_files=False)
+    # A probe smaller than any step here (it is planned when larger: below).
+    cfg = parse_args(["--grpo.batch_size", "8", "--grpo.group_size", "6", "--grpo.eval_rollouts", "4"],
+                     check_files=False)
     plan = plan_stage(shape, cfg, "rc-grpo", device_type="cpu", device_bytes=24_000_000_000)
     label = "rollouts held (48: grpo.batch_size 8 x grpo.group_size 6; <= 4096 tokens each)"
     assert plan.phases["rollout"][label] == plan.phases["update"][label] == 48 * 4096 * ROLLOUT_BYTES_PER_TOKEN
@@ -155,6 +157,22 @@ def test_rollouts_held_grow_with_batch_and_group():
                        local_world_size=4)
     assert "rollouts held (12: grpo.batch_size 8 x grpo.group_size 6 over the engine groups; <= 4096 tokens each)" \
         in split.phases["update"]
+
+
+def test_the_sampled_reward_probe_counts_when_it_holds_more_rollouts_than_a_step():
+    shape = ModelShape.from_config(SMOLLM2)
+    args = ["--grpo.batch_size", "2", "--grpo.group_size", "2", "--grpo.eval_rollouts", "3000"]
+    plan = plan_stage(shape, parse_args(args, check_files=False), "rc-grpo", device_type="cpu", device_bytes=10**12)
+    label = "rollouts held (3000: grpo.eval_rollouts 3000, the sampled-reward probe; <= 4096 tokens each)"
+    assert plan.phases["rollout"][label] == 3000 * 4096 * ROLLOUT_BYTES_PER_TOKEN
+    off = parse_args(args + ["--grpo.eval_every", "0"], check_files=False)
+    assert "rollouts held (4: grpo.batch_size 2 x grpo.group_size 2; <= 4096 tokens each)" in \
+        plan_stage(shape, off, "rc-grpo", device_type="cpu", device_bytes=10**12).phases["rollout"]
+    # On a host where the step fits but the probe does not, the probe is what is refused.
+    check_stage(plan_stage(shape, off, "rc-grpo", device_type="cpu", device_bytes=19 * GiB))
+    with pytest.raises(MemoryPlanError, match="grpo.eval_rollouts 3000"):
+        check_stage(plan_stage(shape, parse_args(args, check_files=False), "rc-grpo", device_type="cpu",
+                               device_bytes=19 * GiB))
 
 
 def test_a_group_too_big_for_the_host_is_refused_naming_the_setting_and_a_size_that_fits():

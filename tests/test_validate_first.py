@@ -202,15 +202,6 @@ def test_failure_attempts_too_many_for_the_host_are_refused_before_the_run_folde
 # ---------------------------------------------------------- finishing
 
 
-def test_data_collection_alone_finishes_with_exit_0_and_says_what_it_made(tmp_path):
-    proc = cli(tmp_path, "rcgrpo.train", "--stages", "rctp-data", "--out-dir", "runs", "--name", "d")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = Path("runs") / "d" / "rctp_data.jsonl"
-    records = (tmp_path / data).read_text().splitlines()
-    assert proc.stdout.splitlines()[-1] == (
-        f"done: stages ['rctp-data'] produced {data} ({len(records)} records); no training stage ran, so no report")
-
-
 # ---------------------------------------------------------- the run folder
 
 
@@ -233,9 +224,14 @@ def test_a_start_that_fails_after_making_its_folder_removes_it_and_the_retry_kee
                preexec=_limit_file_size(1024))
     assert "File too large" in one_error_line(proc, "rcgrpo.train")
     assert list((tmp_path / "runs").iterdir()) == []
+    # The retry is data collection alone: it finishes with exit 0 and says what it made.
     retry = cli(tmp_path, "rcgrpo.train", "--stages", "rctp-data", "--out-dir", "runs", "--name", "d")
     assert retry.returncode == 0, retry.stderr[-3000:]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["d"] and "--resume" not in retry.stderr
+    data = Path("runs") / "d" / "rctp_data.jsonl"
+    records = (tmp_path / data).read_text().splitlines()
+    assert retry.stdout.splitlines()[-1] == (
+        f"done: stages ['rctp-data'] produced {data} ({len(records)} records); no training stage ran, so no report")
 
 
 def test_a_fresh_run_beside_a_folder_that_is_no_run_is_not_told_to_resume_it(tmp_path, capsys):
