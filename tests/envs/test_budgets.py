@@ -120,19 +120,19 @@ print(json.dumps(dict(text=text, seconds=time.monotonic() - started, before=befo
 
 def test_environment_time_per_episode_is_bounded(by_id):
     entry = by_id[FILE_SYSTEM_ENTRY]
-    episode = built_tree(entry, 30, call_timeout_s=0.4)
-    episode.budget = EpisodeBudget(env_seconds=1.0)  # from here: building the tree takes longer on a busy machine
-    started = time.monotonic()
-    first = episode.step(WALK_EVERY_PATH)  # a walk over 2**30 paths: stopped at the call's 0.4 s
-    assert first.tool_messages[0]["content"] == "Error during execution: call exceeded the 0.4 s limit"
+    episode = built_tree(entry, 30, call_timeout_s=1.0)
+    episode.budget = EpisodeBudget(env_seconds=10.0)  # from here: building the tree is slow on a busy machine
+    first = episode.step(WALK_EVERY_PATH)  # a walk over 2**30 paths: stopped at the call's 1 s
+    assert first.tool_messages[0]["content"] == "Error during execution: call exceeded the 1 s limit"
     assert not first.done
+    episode.budget.spend_seconds(episode.budget.seconds_left - 0.3)  # as if earlier calls had taken the rest
+    started = time.monotonic()
     second = episode.step(f"[{WALK_EVERY_PATH[1:-1]}, {WALK_EVERY_PATH[1:-1]}, pwd()]")
-    texts = [m["content"] for m in second.tool_messages]
     seconds = time.monotonic() - started
-    assert texts[0].startswith("Error during execution: call exceeded the 0.")  # cut to what was left
-    assert texts[1:] == ["Error during execution: not run: this episode's 1 s of environment time is spent"] * 2
-    assert second.done and episode.end_reason == ENV_TIME_LIMIT
-    assert 1.0 <= episode.budget.seconds_spent and seconds < 2.5
+    texts = [m["content"] for m in second.tool_messages]
+    assert texts[0] == "Error during execution: call exceeded the 0.3 s limit"  # cut to what was left
+    assert texts[1:] == ["Error during execution: not run: this episode's 10 s of environment time is spent"] * 2
+    assert second.done and episode.end_reason == ENV_TIME_LIMIT and seconds < 3
     result = episode.result()
     assert result.reward == 0.0 and result.end_reason == ENV_TIME_LIMIT
 
@@ -182,7 +182,7 @@ def test_call_bounds_hold_off_the_main_thread_and_leave_the_callers_timer_alone(
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive(), "a call driven off the main thread ran unbounded"
-    assert results["text"] == "Error during execution: call exceeded the 0.6 s limit" and results["seconds"] < 2
+    assert results["text"] == "Error during execution: call exceeded the 0.6 s limit" and results["seconds"] < 5
 
 
 def test_a_stop_never_reaches_the_next_call():
