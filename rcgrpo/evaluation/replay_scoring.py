@@ -7,12 +7,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from tqdm import tqdm
-
 from rcgrpo import json_input
 from rcgrpo.atomic import atomic_output
 from rcgrpo.envs.data import CATEGORIES, load_entries
 from rcgrpo.envs.replay import replay, replay_ground_truth
+from rcgrpo.metrics import progress
 
 
 def score_replay_file(src: Path, dst: Path, positional: str = "drop") -> tuple[int, int]:
@@ -27,7 +26,7 @@ def score_replay_file(src: Path, dst: Path, positional: str = "drop") -> tuple[i
     scored = errors = 0
     # Atomic: a crash leaves the previous --out file (or none), never part of one.
     with atomic_output(dst) as out:
-        for lineno, line in enumerate(tqdm(lines, desc="scoring", unit="entry"), 1):
+        for lineno, line in enumerate(progress(lines, desc="scoring", unit="entry"), 1):
             if not line.strip():
                 continue
             record = _score_line(line, lineno, entries, positional)
@@ -91,7 +90,7 @@ def print_table(table: dict[str, float], counts: dict[str, int]) -> None:
 def ground_truth_table() -> tuple[dict[str, float], dict[str, int]]:
     """(accuracy_table, entries per category) of every entry's ground truth replayed."""
     rows, counts = [], defaultdict(int)
-    for entry in tqdm(load_entries(), desc="ground truth", unit="entry"):
+    for entry in progress(load_entries(), desc="ground truth", unit="entry"):
         rows.append((entry.category, replay_ground_truth(entry).valid))
         counts[entry.category] += 1
     return accuracy_table(rows), counts

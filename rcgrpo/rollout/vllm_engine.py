@@ -17,6 +17,19 @@ import torch
 from .engine import Generation, SamplingConfig, per_prompt, strip_wrapper_prefixes
 from .host_pages import discard
 
+# vLLM logs every engine start, compile and weight load at INFO: about half
+# the lines of a run's log file. A run shows vLLM's warnings and errors only,
+# unless VLLM_LOGGING_LEVEL (vLLM's own setting) asks for more.
+ENGINE_LOG_LEVEL = "WARNING"
+
+
+def quiet_engine_logs() -> None:
+    """vLLM's logs at ENGINE_LOG_LEVEL and above, where the user set no level."""
+    if os.environ.setdefault("VLLM_LOGGING_LEVEL", ENGINE_LOG_LEVEL) == ENGINE_LOG_LEVEL:
+        # vLLM reads the variable when its logger is first imported; where
+        # that happened already, the level is set on the logger itself.
+        logging.getLogger("vllm").setLevel(ENGINE_LOG_LEVEL)
+
 
 def hf_to_vllm_name(name: str) -> str:
     """HF parameter name -> the checkpoint name vLLM's load_weights expects.
@@ -69,6 +82,7 @@ class VLLMEngine:
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))  # vLLM parses an int
+        quiet_engine_logs()
         import vllm
 
         if dtype == "auto":

@@ -10,7 +10,7 @@ from typing import Sequence
 from rcgrpo import distributed
 from rcgrpo.batch import Trajectory, pack
 from rcgrpo.data.divergence import Divergence
-from rcgrpo.metrics import progress
+from rcgrpo.metrics import log_line, progress
 from rcgrpo.models import reward_token_ids
 from rcgrpo.policy import TrainablePolicy
 from rcgrpo.prefix_sharing import micro_batches
@@ -19,6 +19,7 @@ from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
+from rcgrpo.training.stage_verdict import FINETUNE_FIGURES, StageTally, bar_figures
 from rcgrpo.training.steer import steer
 
 
@@ -59,10 +60,12 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
 
     policy.train_mode()
     last = {}
+    tally = StageTally(stage, rl=False)
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         if probe_every and start == 0:
             log.log(0, **measure_steer())
-        for step in progress(range(start, total_steps), total=total_steps, initial=start, desc=stage):
+        bar = progress(range(start, total_steps), total=total_steps, initial=start, desc=stage)
+        for step in bar:
             t0 = time.perf_counter()
             chunk = [trajectories[i] for i in order[step * section.batch_size:(step + 1) * section.batch_size]]
             # Under torchrun each rank trains on its slice of the step's
@@ -90,8 +93,13 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
             last = log.log(step + 1, loss=stats_sum / max(tokens, 1), grad_norm=grad_norm,
                            lr=scheduler.get_last_lr()[0], tokens_per_s=round(counts["tokens"]) / elapsed,
                            update_s=elapsed, loss_tokens=tokens, **probe)
+            tally.add(last)
+            bar.set_postfix(bar_figures(last, FINETUNE_FIGURES), refresh=False)
             every = ctx.cfg.run.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < total_steps:
                 ctx.save(stage, step + 1, policy, optimizer, scheduler)
+        bar.close()
+    for line in tally.lines():
+        log_line(line)
     policy.eval_mode()
     return last

@@ -40,6 +40,7 @@ from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import RLLossSettings, current_logprobs, reference_logprobs, rl_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
+from rcgrpo.training.stage_verdict import RL_FIGURES, StageTally, bar_figures
 
 
 def prompt_schedule(num_entries: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
@@ -559,10 +560,12 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
     conditioning = rl_rollout_conditioning(stage, finetune_stage, g.p_high)
     probe = RewardProbe(ctx, stage, policy, engine, entries, finetune_stage)
     last = {}
+    tally = StageTally(stage, rl=True)
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         if g.eval_every and start == 0:
             log.log(0, **probe.measure(0))
-        for step in progress(range(start, g.steps), total=g.steps, initial=start, desc=stage):
+        bar = progress(range(start, g.steps), total=g.steps, initial=start, desc=stage)
+        for step in bar:
             played, offset, (lo, hi) = step_share(schedule[step], ctx.cfg.run.engine_tp_size)
             version = scheduler.last_epoch
             rollout_cfg = RolloutConfig(
@@ -621,6 +624,11 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
                 tokens_per_s=stats.get("batch_tokens", 0) / max(t2 - t1, 1e-9),
                 generated_tokens_per_s=generated / max(t1 - t0, 1e-9), **evaluated,
             )
+            tally.add(last)
+            bar.set_postfix(bar_figures(last, RL_FIGURES), refresh=False)
             if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < g.steps:
                 ctx.save(stage, step + 1, policy, optimizer, scheduler)
+        bar.close()
+    for line in tally.lines():
+        log_line(line)
     return last

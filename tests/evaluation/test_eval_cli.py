@@ -53,6 +53,8 @@ def test_ground_truth_cli_prints_full_accuracy():
     for name in ("base", "miss_func", "miss_param", "long_context", "overall", "macro"):
         assert lines[name][-1] == "100.00%", proc.stdout
     assert lines["base"][1] == "200"
+    # In a log file the bar draws at most one line per 30 s (its start and its end here), not one per redraw.
+    assert 1 <= proc.stderr.count("ground truth:") <= 3, proc.stderr[-2000:]
 
 
 def test_overall_is_the_accuracy_over_all_entries_not_the_mean_of_categories():

@@ -165,7 +165,8 @@ def _metrics(tmp_path):
     return [json.loads(x) for x in (tmp_path / "ds" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_rl_with_dynamic_sampling_keeps_only_informative_groups(tmp_path, tokenizer, tiny_folder, base_entries):
+def test_train_rl_with_dynamic_sampling_keeps_only_informative_groups(tmp_path, tokenizer, tiny_folder, base_entries,
+                                                                       capsys):
     cfg, ctx, policy = _ds_run(tmp_path, tokenizer, tiny_folder, "--grpo.dynamic_sampling_max_draws", "4")
     scheduled = prompt_schedule(len(base_entries), 2, 1, cfg.data.seed)[0]
     # The two entries the schedule does not play first are the solvable ones:
@@ -183,9 +184,13 @@ def test_train_rl_with_dynamic_sampling_keeps_only_informative_groups(tmp_path, 
     # Reward statistics are those of the scheduled prompts (nothing solved there).
     assert row["zero_var_frac"] == 1.0 and row["reward_mean"] == 0.0
     assert any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
+    # The stage's last line: it learned from the groups it kept, so no warning.
+    err = capsys.readouterr().err
+    assert "[grpo] done: 1 step; rollout reward 0; zero-variance groups 100% on average; " \
+        "1 of 1 steps updated the weights" in err and "WARNING" not in err
 
 
-def test_a_step_with_nothing_informative_makes_no_pass(tmp_path, tokenizer, tiny_folder, base_entries):
+def test_a_step_with_nothing_informative_makes_no_pass(tmp_path, tokenizer, tiny_folder, base_entries, capsys):
     cfg, ctx, policy = _ds_run(tmp_path, tokenizer, tiny_folder, "--grpo.dynamic_sampling_max_draws", "3")
     engine = PerPromptEngine(tokenizer, base_entries, solvable=[])
     passes = []
@@ -198,6 +203,7 @@ def test_a_step_with_nothing_informative_makes_no_pass(tmp_path, tokenizer, tiny
     (row,) = _metrics(tmp_path)
     assert (row["ds_draws"], row["ds_prompts_drawn"], row["ds_groups_kept"]) == (3, 6, 0)
     assert row["updates"] == 0 and "loss" not in row and "grad_norm" not in row
+    assert "[grpo] WARNING: learned nothing from its rewards" in capsys.readouterr().err
     assert passes == []
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in policy.model.named_parameters())
 
@@ -383,7 +389,7 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
         grad_of([dataclasses.replace(t, logprobs=None) for t in trajectories], 2.0)
 
 
-def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base_entries):
+def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base_entries, capsys):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "agree", "--run.checkpoint_every", "0",
                       "--run.tensorboard", "false", "--grpo.steps", "2", "--grpo.batch_size", "1",
                       "--grpo.group_size", "2", "--grpo.max_new_tokens", "8", "--grpo.beta", "0.1",
@@ -414,6 +420,12 @@ def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base
         assert 0 <= r["logp_diff_abs_mean"] < 1e-4 and r["logp_diff_over_0.1_frac"] == 0.0
         assert r["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert {"seq_log_ratio_mean", "seq_log_ratio_abs_max", "tis_capped_frac"} <= set(r)
+    # The bar's last state carries the step's figures; the stage ends with its verdict.
+    err = capsys.readouterr().err
+    assert "rc-grpo: 100%" in err and "reward=0, high=0, low=0, zero_var=1, kl=" in err
+    assert "[rc-grpo] done: 2 steps; rollout reward 0 -> 0 (" in err and "2 of 2 steps updated the weights" in err
+    # Reward 0 everywhere: the weights moved (its KL term), but not from any reward.
+    assert "[rc-grpo] WARNING: learned nothing from its rewards" in err
 
 
 @pytest.mark.slow  # two RL updates on real episodes (~3 s)

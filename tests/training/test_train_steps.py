@@ -98,7 +98,7 @@ def test_fused_and_reference_losses_agree_on_a_real_batch(policy, real_group):
 
 
 def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
-        policy, vllm_engine, tokenizer, chat_ids, real_group, tmp_path):
+        policy, vllm_engine, tokenizer, chat_ids, real_group, tmp_path, capsys):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "steps", "--run.checkpoint_every", "0",
                       "--rctp.lr", "1e-4", "--rctp.batch_size", "4", "--rctp.epochs", "1",
                       "--run.tensorboard", "false"])
@@ -113,6 +113,8 @@ def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         records = [chat_record(tokenizer, f"List files {i}", "[ls(a=True)]", HIGH_REWARD, 1.0) for i in range(4)]
         finetune(ctx, "rctp", trained, [r.trajectory() for r in records], cfg.rctp)
+        err = capsys.readouterr().err
+        assert "rctp: 100%" in err and "loss=" in err and "[rctp] done: 1 step; loss " in err
         changed = [n for n, p in model.named_parameters() if not torch.equal(p, start[n])]
         assert "model.embed_tokens.weight" in changed and len(changed) > 100
         vllm_engine.load_weights(trained.rollout_weights())
