@@ -17,6 +17,8 @@ def env() -> dict:
     # a job's engines take the KV cache their own arguments ask for, as when
     # this folder runs alone (2 ranks x 1 GiB, not 2 x 2).
     e.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # Likewise the log level: a job's engines choose their own, as a user's run would.
+    e.pop("VLLM_LOGGING_LEVEL", None)
     return e
 
 
