@@ -79,7 +79,6 @@ class _Job:
         self.done = threading.Event()
         self.outcome: WorkerOutcome | None = None
         self.running = False
-        self.stops = 0
 
 
 class _Runner:
@@ -109,7 +108,7 @@ class _Runner:
                     outcome = WorkerOutcome(stop.kind)
                 except MemoryError as exc:
                     outcome = WorkerOutcome(WorkerOutcome.EXHAUSTED, f"out of memory {exc}".strip())
-                except Exception as exc:
+                except BaseException as exc:  # SystemExit too: nothing a call raises may end the runner
                     outcome = WorkerOutcome(WorkerOutcome.RAISED, str(exc))
                 self._finish(job, outcome)
             except _Stop as stop:  # raised just as its job finished: the job ends stopped
@@ -128,7 +127,6 @@ class _Runner:
         with self.state:
             if job.running:
                 _set_async_exc(ctypes.c_ulong(self.thread.ident), ctypes.py_object(stop))
-                job.stops += 1
 
     def retire(self) -> None:
         self.jobs.put(None)
