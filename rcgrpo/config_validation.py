@@ -32,21 +32,29 @@ def _within(m: dict, v) -> bool:
             and (m["le"] is None or v <= m["le"]) and (m["lt"] is None or v < m["lt"]))
 
 
+def _not_finite(value: Any) -> bool:
+    # inf and nan pass most range checks (and 1e400 parses as inf).
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _empty_text(value: Any) -> bool:
+    # No text setting means anything when empty (a name, a path, a choice):
+    # "" is a mistake (an unset shell variable), never "the default".
+    return isinstance(value, str) and not value.strip()
+
+
 def _field_problems(key: str, m: dict, value: Any, name: str = "") -> list[str]:
     """What in `value` breaks the limits in its field's metadata `m`; the
     messages call it `name` (a tool's flag) when given, else `key`."""
     items, key = key.rsplit(".", 1)[-1], name or key
     if value is None:
         return []
-    # inf and nan pass most range checks (and 1e400 parses as inf).
-    if isinstance(value, float) and not math.isfinite(value):
+    if _not_finite(value):
         return [f"{key} must be a finite number, got {value}"]
     note, choices, out = f" ({m['note']})" if m["note"] else "", m["choices"], []
-    # No text setting means anything when empty (a name, a path, a choice):
-    # "" is a mistake (an unset shell variable), never "the default".
-    if isinstance(value, str) and not value.strip():
+    if _empty_text(value):
         return [f"{key} must not be an empty string (leave the setting out for its default)"]
-    if isinstance(value, list) and any(isinstance(v, str) and not v.strip() for v in value):
+    if isinstance(value, list) and any(map(_empty_text, value)):
         return [f"{key} has an empty item: {value}"]
     if isinstance(value, list):
         bad = [v for v in value if choices and v not in choices]
@@ -165,7 +173,7 @@ def _unusable(value: Any) -> bool:
     problem, which the rules relating it to others would only repeat."""
     if isinstance(value, list):
         return any(map(_unusable, value))
-    return (isinstance(value, float) and not math.isfinite(value)) or (isinstance(value, str) and not value.strip())
+    return _not_finite(value) or _empty_text(value)
 
 
 def validate(cfg: Config, check_files: bool = True) -> None:

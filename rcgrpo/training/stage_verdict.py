@@ -54,8 +54,12 @@ class StageTally:
     def add(self, record: Mapping) -> None:
         self.records.append(record)
 
+    def _values(self, key: str) -> list[float]:
+        """The stage's finite values of `key`, step by step."""
+        return [v for v in (_number(r.get(key)) for r in self.records) if v is not None]
+
     def _change(self, key: str) -> str | None:
-        values = [v for v in (_number(r.get(key)) for r in self.records) if v is not None]
+        values = self._values(key)
         if not values:
             return None
         return f"{values[0]:.3g} -> {values[-1]:.3g}" if len(values) > 1 else f"{values[0]:.3g}"
@@ -75,10 +79,10 @@ class StageTally:
             by_token = [f"{name} {change}" for name in ("high", "low")
                         if (change := self._change(f"reward_mean_{name}"))]
             parts.append(f"rollout reward {reward}" + (f" ({', '.join(by_token)})" if by_token else ""))
-        zero_var = [v for v in (_number(r.get("zero_var_frac")) for r in self.records) if v is not None]
+        zero_var = self._values("zero_var_frac")
         if zero_var:
             parts.append(f"zero-variance groups {100 * sum(zero_var) / len(zero_var):.0f}% on average")
-        skipped = [v for v in (_number(r.get("update_skipped")) for r in self.records) if v is not None]
+        skipped = self._values("update_skipped")
         updated = sum(1 for v in skipped if v == 0)
         if skipped:
             parts.append(f"{updated} of {len(skipped)} steps updated the weights")
