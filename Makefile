@@ -24,9 +24,11 @@ install: $(STAMP)
 
 # --no-compile: pip would byte-compile every module of vllm, torch and
 # transformers up front; Python compiles the ones a run imports as it imports them.
-$(STAMP): pyproject.toml setup.py Makefile
+# The kernels are their own distribution (rcgrpo_kernels/pyproject.toml), which
+# rcgrpo depends on: one pip call installs both, so pip finds it here.
+$(STAMP): pyproject.toml rcgrpo_kernels/pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q --no-compile -e ./rcgrpo_kernels -e ".[$(EXTRAS)]"
 	$(BIN)/python -m pip install -q --no-compile --no-deps $(NODEPS)
 	-$(BIN)/python -m pip uninstall -y -q $(CLASHING) 2>/dev/null
 	rm -f $(VENV)/.installed-*

@@ -26,7 +26,7 @@ from benchmarks.update_step import fixed_batch
 
 
 def main(rounds: int) -> dict:
-    import kernels
+    import rcgrpo_kernels
     from rcgrpo.config import parse_args
     from rcgrpo.models import load_tokenizer, resolve_model_folder
     from rcgrpo.policy import TrainablePolicy
@@ -41,7 +41,7 @@ def main(rounds: int) -> dict:
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, folder)
     policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=False)
     batch = fixed_batch(tokenizer)
-    batch = dataclasses.replace(batch, advantages=kernels.group_advantages(batch.rewards, batch.seq_group))
+    batch = dataclasses.replace(batch, advantages=rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group))
     # Engine log-probs near the trainer's (a realistic bf16-sized mismatch), so TIS weights vary.
     own = trainer_logprobs(ctx, policy, batch, 1.0)
     noise = 0.05 * torch.randn(own.shape, generator=torch.Generator().manual_seed(0))

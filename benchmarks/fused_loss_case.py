@@ -44,7 +44,7 @@ def make_inputs(hdim, vocab, n, frac, dtype, device):
 
 def make_fn(path, x, compiled=False):
     """A zero-argument forward+backward of one path over inputs ``x``."""
-    import kernels
+    import rcgrpo_kernels
 
     def clear():
         x["hidden"].grad = None
@@ -53,7 +53,7 @@ def make_fn(path, x, compiled=False):
     if path in ("reference", "chunked", "triton"):
         def run():
             clear()
-            loss, _ = kernels.fused_linear_grpo_loss(
+            loss, _ = rcgrpo_kernels.fused_linear_grpo_loss(
                 x["hidden"], x["weight"], x["targets"], x["adv"], x["mask"], x["cu"], x["old"], x["ref"],
                 impl=path, **LOSS)
             loss.backward()

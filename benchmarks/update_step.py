@@ -65,7 +65,7 @@ def fixed_batch(tokenizer):
 
 
 def main(variant: str) -> dict:
-    import kernels
+    import rcgrpo_kernels
     from rcgrpo.config import parse_args
     from rcgrpo.models import load_tokenizer, resolve_model_folder
     from rcgrpo.policy import TrainablePolicy
@@ -81,7 +81,7 @@ def main(variant: str) -> dict:
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, folder)
     policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=True)
     batch = fixed_batch(tokenizer)
-    batch = dataclasses.replace(batch, advantages=kernels.group_advantages(batch.rewards, batch.seq_group))
+    batch = dataclasses.replace(batch, advantages=rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group))
     opt, _ = make_optimizer(policy, 1e-6, 0.0, 1, 0.0)
     policy.train_mode(dropout=False)
     process_peak = status_bytes("VmHWM:")  # loading's peak, before the reset below

@@ -36,9 +36,9 @@ training tensors are therefore aligned on the *predicting* position:
 
 So ``logp = token_logprobs(logits[i], targets[i])`` lines up with
 ``loss_mask``, ``old_logp`` and ``ref_logp`` element by element, which is what
-``kernels.grpo_loss`` / ``kernels.fused_linear_grpo_loss`` take.
+``rcgrpo_kernels.grpo_loss`` / ``rcgrpo_kernels.fused_linear_grpo_loss`` take.
 
-``kernels.packing.next_token_targets(input_ids, sampled_mask, cu_seqlens)``
+``rcgrpo_kernels.packing.next_token_targets(input_ids, sampled_mask, cu_seqlens)``
 returns exactly ``(targets, loss_mask)`` of this module (tests/test_batch.py).
 
 This module is data only: the model's forward over a packed batch is
@@ -54,8 +54,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kernels.loss_types import get_loss_type
-from kernels.packing import loss_token_counts
+from rcgrpo_kernels.loss_types import get_loss_type
+from rcgrpo_kernels.packing import loss_token_counts
 
 __all__ = [
     "Trajectory",

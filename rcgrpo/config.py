@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-import kernels
+import rcgrpo_kernels
 from rcgrpo.atomic import atomic_write_text
 from rcgrpo.data.sources import FAILURE_SOURCES
 from rcgrpo.envs.data import CATEGORIES
@@ -54,11 +54,11 @@ __all__ = [
 # Kept in sync with rcgrpo.models.EMBEDDED by a test; not imported, so that
 # validating a config does not load transformers.
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
-# The loss types' one list lives with their definitions (kernels/loss_types.py).
-LOSS_TYPES = tuple(kernels.LOSS_TYPES)
-# The estimators' lists live with their definitions (kernels/*_estimators.py).
-ADVANTAGE_ESTIMATORS = tuple(kernels.ADVANTAGE_ESTIMATORS)
-KL_ESTIMATORS = tuple(kernels.KL_ESTIMATORS)
+# The loss types' one list lives with their definitions (rcgrpo_kernels/loss_types.py).
+LOSS_TYPES = tuple(rcgrpo_kernels.LOSS_TYPES)
+# The estimators' lists live with their definitions (rcgrpo_kernels/*_estimators.py).
+ADVANTAGE_ESTIMATORS = tuple(rcgrpo_kernels.ADVANTAGE_ESTIMATORS)
+KL_ESTIMATORS = tuple(rcgrpo_kernels.KL_ESTIMATORS)
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cpu", "cuda")
@@ -222,13 +222,13 @@ class GrpoConfig:
     top_p: float = _f(1.0, "rollout nucleus sampling (choice)", gt=0, le=1)
     max_new_tokens: int = _f(512, "max tokens per assistant step (choice)", ge=1)
     max_total_tokens: int = _f(8192, "max tokens of a whole trajectory (choice: the small model's context)", ge=1)
-    loss_type: str = _f("grpo", f"loss normalisation, one of {LOSS_TYPES} (kernels/loss_types.py maps them to "
+    loss_type: str = _f("grpo", f"loss normalisation, one of {LOSS_TYPES} (rcgrpo_kernels/loss_types.py maps them to "
                         "verl's loss_agg_mode and TRL's loss_type)", choices=LOSS_TYPES)
     advantage_estimator: str = _f(
         "grpo", f"group advantage estimator, one of {ADVANTAGE_ESTIMATORS}: grpo = (R - mean) / (std + eps) with "
         "the population std (paper), grpo_ddof1 = sample std (verl, TRL), dr_grpo = R - mean, rloo = leave-one-out",
         choices=ADVANTAGE_ESTIMATORS)
-    kl_estimator: str = _f("k3", f"KL estimator, one of {KL_ESTIMATORS} (kernels/kl_estimators.py): k3 = paper, "
+    kl_estimator: str = _f("k3", f"KL estimator, one of {KL_ESTIMATORS} (rcgrpo_kernels/kl_estimators.py): k3 = paper, "
                            "verl low_var_kl, TRL; '+' = straight-through with k2's gradient", choices=KL_ESTIMATORS)
     clip_ratio_c: Optional[float] = _f(
         None, "dual-clip PPO: a negative-advantage token's ratio counts at most this much (verl's default 3.0); "

@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import kernels
+import rcgrpo_kernels
 from rcgrpo import json_input
 from rcgrpo.config import Config, ConfigError, all_keys
 
@@ -41,7 +41,7 @@ RETIRED = {"run.log_every": "metric lines are written every step",
 def _advantage_estimator_name(value: Any) -> Any:
     """advantage_scale's "group" / "none" are the estimators grpo / dr_grpo."""
     try:
-        return kernels.get_advantage_estimator(value).name
+        return rcgrpo_kernels.get_advantage_estimator(value).name
     except ValueError:
         return value  # the setting's own check refuses it, in one line
 

@@ -113,8 +113,8 @@ MARGIN_FIXED = 1 * GiB
 MARGIN_FRACTION = 0.05
 ENGINE_ASLEEP_CUDA = 1 * GiB  # what a level-1 sleeping vLLM keeps (CUDA graphs, workspaces)
 ENGINE_CPU_KV_CACHE = 2 * GiB  # train.engine_kwargs: kv_cache_gib=2
-FUSED_CHUNK_ROWS = 256  # kernels.chunked.CHUNK_ROWS
-FUSED_CHUNK_CAP = 256 << 20  # kernels.chunked.CHUNK_BYTES
+FUSED_CHUNK_ROWS = 256  # rcgrpo_kernels.chunked.CHUNK_ROWS
+FUSED_CHUNK_CAP = 256 << 20  # rcgrpo_kernels.chunked.CHUNK_BYTES
 ROLLOUT_BYTES_PER_TOKEN = 96  # host bytes per token of a held rollout (see the module docstring)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK_STEPS = (2, 4, 8, 16, 32, 64, 128)

@@ -25,7 +25,7 @@ Precision (every dtype of a training stage, stated once):
   all compute dtype under FSDP2. Nothing updates them.
 * **The losses' LM-head projection** gets hidden states in the compute dtype
   and, on CUDA, the head weight too (Triton dots in bf16); the kernels
-  accumulate in float32 (kernels/), and on CPU compute in float32 throughout.
+  accumulate in float32 (rcgrpo_kernels/), and on CPU compute in float32 throughout.
 * **Exports** are written in `model.export_dtype` (float32 by default), with
   config.json saying so.
 

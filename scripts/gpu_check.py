@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels")]
 import torch  # noqa: E402
 from kernels_testlib import assert_close  # noqa: E402
 
-import kernels  # noqa: E402
+import rcgrpo_kernels  # noqa: E402
 from benchmarks.fused_loss_case import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
 from rcgrpo.atomic import atomic_write_text  # noqa: E402
 
@@ -170,7 +170,7 @@ def fused_grpo_case(rec, hdim, vocab, n, device, rows_options):
     """Triton vs chunked, forward and backward, under every config of each
     kind: without entropy (the plain forward tiles) with one d/dlogits chunk
     and with several ragged ones, and with entropy (its own forward tiles)."""
-    from kernels.triton import fused_linear_logprob as flp
+    from rcgrpo_kernels.triton import fused_linear_logprob as flp
 
     x = make_inputs(hdim, vocab, n, 0.25, torch.bfloat16, device)
     args = lambda: (x["hidden"], x["weight"], x["targets"], x["adv"], x["mask"], x["cu"], x["old"], x["ref"])  # noqa: E731
@@ -178,12 +178,12 @@ def fused_grpo_case(rec, hdim, vocab, n, device, rows_options):
 
     def run(impl, **extra):
         x["hidden"].grad = x["weight"].grad = None
-        loss, stats = kernels.fused_linear_grpo_loss(*args(), impl=impl, **{**kw, **extra})
+        loss, stats = rcgrpo_kernels.fused_linear_grpo_loss(*args(), impl=impl, **{**kw, **extra})
         loss.backward()
         return loss.detach(), {k: v.detach() for k, v in stats.items()}, x["hidden"].grad, x["weight"].grad
 
     if device == "cuda":
-        from kernels import chunked
+        from rcgrpo_kernels import chunked
 
         x["hidden"].grad = x["weight"].grad = None
         want_loss, want_stats = chunked.fused_linear_grpo_loss(*args(), chunk_rows=2048, **kw)
@@ -225,13 +225,13 @@ def token_logprobs_case(rec, n, vocab, device):
     logits = torch.randn(n, vocab, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
     targets = torch.randint(0, vocab, (n,), device=device, generator=g)
     upstream = torch.randn(n, device=device, generator=g)
-    got = kernels.token_logprobs(logits, targets, impl="triton")
+    got = rcgrpo_kernels.token_logprobs(logits, targets, impl="triton")
     (got * upstream).sum().backward()
     d_got = logits.grad
     logits.grad = None
     rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device=device)  # the far end is past 2^31 elements
     sub = logits.detach()[rows].clone().requires_grad_()
-    want = kernels.token_logprobs(sub, targets[rows], impl="reference")
+    want = rcgrpo_kernels.token_logprobs(sub, targets[rows], impl="reference")
     (want * upstream[rows]).sum().backward()
     assert_close(got[rows], want, torch.bfloat16, "logp")
     assert_close(d_got[rows], sub.grad, torch.bfloat16, "dlogits", grad=True)
@@ -353,7 +353,7 @@ def train_step_case(rec, kind, device, dry, seqs, seq_len, micro_tokens):
         trajs.append(Trajectory(ids, mask, group=i // 4, reward=float(i % 4 == 0),
                                 ref_logprobs=[-math.log(cfg.vocab_size)] * n))
     batch = pack(trajs)
-    batch = dataclasses.replace(batch, advantages=kernels.group_advantages(batch.rewards, batch.seq_group))
+    batch = dataclasses.replace(batch, advantages=rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group))
     batch = batch.to(device)
     micro = pack_micro_batches(batch, micro_tokens)
     settings = RLLossSettings(beta=0.04)

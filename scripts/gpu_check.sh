@@ -25,7 +25,7 @@ SITE=${GPU_CHECK_SITE:-$(mktemp -d)/site}
 echo "== installing ${#wheels[@]} carried wheel(s) offline into $SITE"
 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "${wheels[@]}" || exit 2
-# the scratch target first (the carried versions win), then this checkout (kernels, rcgrpo, benchmarks)
+# the scratch target first (the carried versions win), then this checkout (rcgrpo_kernels, rcgrpo, benchmarks)
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 

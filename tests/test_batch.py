@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
+import rcgrpo_kernels
 from rcgrpo.batch import (
     PackedBatch,
     Trajectory,
@@ -73,7 +73,7 @@ def test_pack_invariants(trajs):
 @given(trajectories())
 def test_pack_agrees_with_kernels_alignment(trajs):
     """The kernels derive (targets, mask) from the unshifted mask: same answer."""
-    from kernels import packing
+    from rcgrpo_kernels import packing
 
     b = pack(trajs)
     targets, pred_mask = packing.next_token_targets(b.input_ids, b.sampled_mask, b.cu_seqlens)
@@ -146,9 +146,9 @@ def test_select_keeps_each_sequence_intact(trajs, budget):
     assert sorted(seen) == list(range(len(trajs)))
 
 
-@pytest.mark.parametrize("loss_type", list(kernels.LOSS_TYPES))  # the sums included (a weight of 1 per part)
+@pytest.mark.parametrize("loss_type", list(rcgrpo_kernels.LOSS_TYPES))  # the sums included (a weight of 1 per part)
 def test_accumulation_weights_reproduce_full_batch_loss(loss_type):
-    from kernels import reference as ref
+    from rcgrpo_kernels import reference as ref
 
     g = torch.Generator().manual_seed(0)
     trajs = []
@@ -163,7 +163,7 @@ def test_accumulation_weights_reproduce_full_batch_loss(loss_type):
     full_logp = dict(zip(range(full.num_tokens), logp))  # token index -> value
 
     def loss_of(b: PackedBatch, lp):
-        kw = {"max_tokens": 20.0} if kernels.get_loss_type(loss_type).scaled_by_max_tokens else {}
+        kw = {"max_tokens": 20.0} if rcgrpo_kernels.get_loss_type(loss_type).scaled_by_max_tokens else {}
         loss, _ = ref.grpo_loss(lp, lp + 0.05, None, b.advantages, b.loss_mask, b.cu_seqlens, loss_type=loss_type, **kw)
         return loss
 

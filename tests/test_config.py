@@ -212,13 +212,13 @@ def test_constants_match_the_modules_they_mirror():
 
 
 def test_loss_type_choices_are_the_kernels_registry():
-    import kernels
+    import rcgrpo_kernels
 
-    assert C.LOSS_TYPES == tuple(kernels.LOSS_TYPES)
+    assert C.LOSS_TYPES == tuple(rcgrpo_kernels.LOSS_TYPES)
     with pytest.raises(ConfigError, match=r"grpo.loss_type must be one of \('grpo', 'bnpo', .*\), got 'gspo'"):
         parse_args(["--grpo.loss_type", "gspo"])
-    assert C.ADVANTAGE_ESTIMATORS == tuple(kernels.ADVANTAGE_ESTIMATORS)
-    assert C.KL_ESTIMATORS == tuple(kernels.KL_ESTIMATORS)
+    assert C.ADVANTAGE_ESTIMATORS == tuple(rcgrpo_kernels.ADVANTAGE_ESTIMATORS)
+    assert C.KL_ESTIMATORS == tuple(rcgrpo_kernels.KL_ESTIMATORS)
     with pytest.raises(ConfigError, match=r"grpo.kl_estimator must be one of \('k3', .*\), got 'k4'"):
         parse_args(["--grpo.kl_estimator", "k4"])
     with pytest.raises(ConfigError, match=r"grpo.clip_ratio_c must be > 1"):

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-import kernels
+import rcgrpo_kernels
 from rcgrpo import distributed
 from rcgrpo.batch import (
     PackedBatch,
@@ -154,9 +154,9 @@ class Agreement:
         self.sums["abs"] += float(diff.abs().sum())
         self.sums["over"] += float((diff.abs() > self.THRESHOLD).sum())
         # log pi_trainer(seq) / pi_engine(seq) = the sum of its tokens' differences
-        seq = kernels.packing.sequence_ids(torch.nonzero(mask).reshape(-1), batch.cu_seqlens)
+        seq = rcgrpo_kernels.packing.sequence_ids(torch.nonzero(mask).reshape(-1), batch.cu_seqlens)
         per_seq = torch.zeros(batch.num_seqs, dtype=torch.float64, device=diff.device).index_add_(0, seq, diff)
-        has = kernels.packing.loss_token_counts(mask, batch.cu_seqlens) > 0
+        has = rcgrpo_kernels.packing.loss_token_counts(mask, batch.cu_seqlens) > 0
         self.seq_log_ratios.extend(per_seq[has].tolist())
         if tis_cap is not None:
             self.sums["tis_weight"] += float(torch.exp(diff).clamp(max=tis_cap).sum())
@@ -195,7 +195,7 @@ def prepare_batch(trajectories: Sequence[Trajectory], device: torch.device, adva
     if not trajectories:
         return None, torch.zeros(0)
     full = pack(trajectories).to(device)
-    advantages = kernels.group_advantages(full.rewards, full.seq_group, estimator=advantage_estimator)
+    advantages = rcgrpo_kernels.group_advantages(full.rewards, full.seq_group, estimator=advantage_estimator)
     full = dataclasses.replace(full, advantages=advantages, old_logp=None)
     if informative_only:
         keep = torch.nonzero(informative_sequences(full)).reshape(-1).tolist()
@@ -279,7 +279,7 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
     # log-probs are then the policy's own, read off this pass's hidden states
     # by one LM-head pass over the loss rows instead of a second decoder pass.
     own_reference = settings.beta > 0 and policy.equals_reference
-    summing = None if kernels.get_loss_type(settings.loss_type).divides else max(counts["loss_tokens"], 1)
+    summing = None if rcgrpo_kernels.get_loss_type(settings.loss_type).divides else max(counts["loss_tokens"], 1)
     for micro, padding in lockstep(micros, ctx.device):
         if settings.beta > 0 and not own_reference:
             micro = dataclasses.replace(

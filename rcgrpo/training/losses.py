@@ -2,10 +2,10 @@
 
 Each takes a `PackedLM` (the policy's `policy.lm`, or its reference): final
 hidden states and the LM-head weight in the compute dtype. Fused (`--fused`):
-the hidden states go straight into `kernels.fused_linear_*`, which project
+the hidden states go straight into `rcgrpo_kernels.fused_linear_*`, which project
 only the loss rows onto the vocabulary, chunk by chunk (Triton on CUDA,
 chunked PyTorch on CPU), never building [N, V] logits. Reference: full logits
-and the plain PyTorch ops in `kernels.reference`. Both compute the same
+and the plain PyTorch ops in `rcgrpo_kernels.reference`. Both compute the same
 numbers (tests/training/test_train_steps.py).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import rcgrpo_kernels
 from rcgrpo.batch import PackedBatch
 from rcgrpo.policy import PackedLM, TrainablePolicy
 
@@ -22,7 +22,7 @@ from rcgrpo.policy import PackedLM, TrainablePolicy
 @dataclass(frozen=True)
 class RLLossSettings:
     """The RL loss's settings (GrpoConfig's, without the rest of the config);
-    see kernels.grpo_loss for each."""
+    see rcgrpo_kernels.grpo_loss for each."""
     eps_low: float = 0.2
     eps_high: float = 0.2
     beta: float = 0.1
@@ -37,7 +37,7 @@ class RLLossSettings:
     @classmethod
     def from_config(cls, g) -> "RLLossSettings":
         # A token budget, where the loss type divides by one: the trajectory's.
-        budget = float(g.max_total_tokens) if kernels.get_loss_type(g.loss_type).scaled_by_max_tokens else None
+        budget = float(g.max_total_tokens) if rcgrpo_kernels.get_loss_type(g.loss_type).scaled_by_max_tokens else None
         return cls(g.eps_low, g.eps_high, g.beta, g.temperature, g.loss_type, budget, g.kl_estimator,
                    g.clip_ratio_c, g.log_ratio_clamp, g.kl_clamp)
 
@@ -55,8 +55,8 @@ def token_logprobs(lm: PackedLM, batch: PackedBatch, fused: bool, temperature: f
     hidden = lm.hidden_states(batch) if hidden is None else hidden
     mask = batch.loss_mask
     if fused:
-        return kernels.fused_linear_logprobs(hidden[mask], lm.lm_head_weight(), batch.targets[mask], temperature)
-    return kernels.token_logprobs(lm.logits(hidden), batch.targets, temperature, impl="reference")[mask]
+        return rcgrpo_kernels.fused_linear_logprobs(hidden[mask], lm.lm_head_weight(), batch.targets[mask], temperature)
+    return rcgrpo_kernels.token_logprobs(lm.logits(hidden), batch.targets, temperature, impl="reference")[mask]
 
 
 def sft_loss(lm: PackedLM, batch: PackedBatch, fused: bool,
@@ -106,14 +106,14 @@ def rl_loss(lm: PackedLM, batch: PackedBatch, settings: RLLossSettings, fused: b
     ref = batch.ref_logp if settings.beta > 0 else None
     hidden = lm.hidden_states(batch) if hidden is None else hidden
     if fused:
-        return kernels.fused_linear_grpo_loss(
+        return rcgrpo_kernels.fused_linear_grpo_loss(
             hidden, lm.lm_head_weight(), batch.targets, batch.advantages, batch.loss_mask, batch.cu_seqlens,
             old_logp=batch.old_logp, ref_logp=ref, temperature=settings.temperature, compute_entropy=entropy,
             token_weights=token_weights, **settings.kernel_kwargs(),
         )
     logits = lm.logits(hidden).float() / settings.temperature
-    logp = kernels.token_logprobs(logits, batch.targets, 1.0, impl="reference")
-    loss, stats = kernels.grpo_loss(
+    logp = rcgrpo_kernels.token_logprobs(logits, batch.targets, 1.0, impl="reference")
+    loss, stats = rcgrpo_kernels.grpo_loss(
         logp, batch.old_logp, ref, batch.advantages, batch.loss_mask, batch.cu_seqlens,
         token_weights=token_weights, impl="reference", **settings.kernel_kwargs(),
     )

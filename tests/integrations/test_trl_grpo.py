@@ -1,4 +1,4 @@
-"""The TRL drop-in (integrations/trl_grpo.py) against TRL's own loss.
+"""The TRL drop-in (rcgrpo_kernels/trl_grpo.py) against TRL's own loss.
 
 A real `GRPOTrainer` of TRL 1.16 on the 135M model prepares one batch as its
 training step would (its chat template and tokenisation, its HF generation,
@@ -45,8 +45,8 @@ def prepared(tmp_path_factory, one_thread):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from integrations.trl_grpo import KernelGRPOTrainer
     from rcgrpo.models import resolve_model_folder
+    from rcgrpo_kernels.trl_grpo import KernelGRPOTrainer
 
     folder = str(resolve_model_folder(None))
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -164,7 +164,7 @@ def test_vllm_importance_sampling_weights(prepared, loss_type, beta):
 
 
 def test_unsupported_settings_are_refused(prepared):
-    from integrations.trl_grpo import unsupported_settings
+    from rcgrpo_kernels.trl_grpo import unsupported_settings
 
     trainer, _ = prepared
     assert unsupported_settings(trainer) == []
@@ -175,3 +175,15 @@ def test_unsupported_settings_are_refused(prepared):
     finally:
         trainer.loss_type, trainer.top_entropy_quantile = saved
     assert any("cispo" in f for f in found) and any("top_entropy_quantile" in f for f in found)
+
+
+def test_old_import_path_still_works_and_says_where_it_moved(prepared):
+    import importlib
+    import sys
+
+    import rcgrpo_kernels.trl_grpo
+
+    sys.modules.pop("integrations.trl_grpo", None)
+    with pytest.warns(DeprecationWarning, match="moved to rcgrpo_kernels.trl_grpo"):
+        old = importlib.import_module("integrations.trl_grpo")
+    assert old.KernelGRPOTrainer is rcgrpo_kernels.trl_grpo.KernelGRPOTrainer

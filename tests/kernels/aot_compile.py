@@ -1,4 +1,4 @@
-"""Compile every Triton entry kernel of ``kernels/triton/`` for real GPUs, on
+"""Compile every Triton entry kernel of ``rcgrpo_kernels/triton/`` for real GPUs, on
 a machine without one, and read each compiled variant's resource usage.
 
 Run as a script in a fresh process (Triton must not be in interpreter mode):
@@ -7,7 +7,7 @@ Run as a script in a fresh process (Triton must not be in interpreter mode):
 
 How the variants are found, so that a kernel added or changed later is
 covered without editing this file:
-1. Every module under ``kernels/triton/`` is imported and every
+1. Every module under ``rcgrpo_kernels/triton/`` is imported and every
    ``@triton.jit`` function in it is collected; the *entry* kernels are those
    that no other jit function calls.
 2. The family modules' public functions run on small CPU tensors (forward and
@@ -51,7 +51,7 @@ PRODUCTION_H = (896, 3584, 4096)
 
 
 def jit_functions():
-    """{module.name: JITFunction} for every jit function of kernels/triton."""
+    """{module.name: JITFunction} for every jit function of rcgrpo_kernels/triton."""
     from triton.runtime.jit import JITFunction
 
     found = {}
@@ -132,7 +132,7 @@ def run_workload(first_round: bool = True):
     each kind only, which keeps the test inside its time budget."""
     import torch
 
-    from kernels.triton import advantage, fused_linear_grpo_loss, fused_linear_logprob, logprob, loss
+    from rcgrpo_kernels.triton import advantage, fused_linear_grpo_loss, fused_linear_logprob, logprob, loss
 
     torch.manual_seed(0)
     seqlens = [9, 0, 23, 1, 17]
@@ -178,7 +178,7 @@ def run_workload(first_round: bool = True):
 
 def tuners():
     """Every Tuner the kernel modules hold (once each, wherever imported)."""
-    from kernels.triton.common import Tuner
+    from rcgrpo_kernels.triton.common import Tuner
 
     found = {}
     for _, mod in _modules():
@@ -187,10 +187,10 @@ def tuners():
 
 
 def _modules():
-    import kernels.triton as pkg
+    import rcgrpo_kernels.triton as pkg
 
     for info in pkgutil.iter_modules(pkg.__path__):
-        yield info.name, importlib.import_module(f"kernels.triton.{info.name}")
+        yield info.name, importlib.import_module(f"rcgrpo_kernels.triton.{info.name}")
 
 
 def record_launches():

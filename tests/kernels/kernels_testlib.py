@@ -22,7 +22,7 @@ def triton_ready() -> None:
     a module imported triton kernels before tests/kernels/conftest.py ran)."""
     if DEVICE == "cuda":
         return
-    from kernels.triton.common import interpreting
+    from rcgrpo_kernels.triton.common import interpreting
 
     if not interpreting():
         pytest.skip("Triton kernels were compiled before TRITON_INTERPRET=1 could be set")
@@ -74,11 +74,11 @@ def packed_problem(seqlens=SEQLENS, hdim=24, vocab=75, dtype=torch.float32, bias
 def old_ref_for(p, temperature=1.0, spread=0.3, seed=1):
     """old/ref log-probs near the current policy's, so that some ratios fall
     inside and some outside the clip range."""
-    import kernels
+    import rcgrpo_kernels
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        lp = kernels.fused_linear_logprobs(p["hidden"], p["weight"], p["targets"], temperature, p["bias"],
+        lp = rcgrpo_kernels.fused_linear_logprobs(p["hidden"], p["weight"], p["targets"], temperature, p["bias"],
                                            impl="reference")
     noise = lambda: spread * torch.randn(lp.shape, generator=g).to(lp.device)  # noqa: E731
     return lp + noise(), lp + noise()

@@ -6,26 +6,26 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, DTYPES, FAST_IMPLS, IMPLS, assert_close, triton_ready
 
-import kernels
+import rcgrpo_kernels
 
-ESTIMATORS = tuple(kernels.ADVANTAGE_ESTIMATORS)
+ESTIMATORS = tuple(rcgrpo_kernels.ADVANTAGE_ESTIMATORS)
 
 
 def _run(impl, rewards, groups, **kw):
     if impl == "triton":
         triton_ready()
-    return kernels.group_advantages(rewards, groups, impl=impl, **kw)
+    return rcgrpo_kernels.group_advantages(rewards, groups, impl=impl, **kw)
 
 
 def test_registry():
     assert ESTIMATORS == ("grpo", "grpo_ddof1", "dr_grpo", "rloo")
-    assert kernels.get_advantage_estimator("group").name == "grpo"  # the former scale= values
-    assert kernels.get_advantage_estimator("none").name == "dr_grpo"
+    assert rcgrpo_kernels.get_advantage_estimator("group").name == "grpo"  # the former scale= values
+    assert rcgrpo_kernels.get_advantage_estimator("none").name == "dr_grpo"
     with pytest.raises(ValueError, match=r"advantage estimator must be one of \('grpo', 'grpo_ddof1', 'dr_grpo', "
                                          r"'rloo'\), got 'gae'"):
-        kernels.get_advantage_estimator("gae")
+        rcgrpo_kernels.get_advantage_estimator("gae")
     with pytest.raises(ValueError, match="already registered"):
-        kernels.register_advantage_estimator(kernels.AdvantageEstimator("rloo", False))
+        rcgrpo_kernels.register_advantage_estimator(rcgrpo_kernels.AdvantageEstimator("rloo", False))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -47,10 +47,10 @@ def test_each_estimator_by_hand(impl):
 def test_scale_keyword_still_works():
     r, g = torch.tensor([1.0, 3.0]), torch.tensor([0, 0])
     with pytest.warns(DeprecationWarning, match="estimator="):
-        got = kernels.group_advantages(r, g, scale="none")
+        got = rcgrpo_kernels.group_advantages(r, g, scale="none")
     torch.testing.assert_close(got, torch.tensor([-1.0, 1.0]))
     # positional "group" / "none" are the aliases, no warning
-    torch.testing.assert_close(kernels.group_advantages(r, g, 1e-6, "none"), got)
+    torch.testing.assert_close(rcgrpo_kernels.group_advantages(r, g, 1e-6, "none"), got)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -79,7 +79,7 @@ def test_matches_reference(impl, dtype, estimator):
     r_ref = rewards.detach().clone().requires_grad_()
     r = rewards.detach().clone().requires_grad_()
     # eps=1e-2: a constant group's gradient is ~1/eps and would overflow fp16
-    want = kernels.group_advantages(r_ref, groups, 1e-2, estimator, impl="reference")
+    want = rcgrpo_kernels.group_advantages(r_ref, groups, 1e-2, estimator, impl="reference")
     got = _run(impl, r, groups, eps=1e-2, estimator=estimator)
     assert got.dtype == torch.float32
     assert (got[groups == groups[0]] == 0).all() and got[-1] == 0
@@ -102,12 +102,12 @@ def test_population_std_and_eps(impl):
 def test_bad_arguments_are_one_line_errors():
     r, g = torch.zeros(2), torch.zeros(2, dtype=torch.long)
     with pytest.raises(ValueError, match="advantage estimator must be one of"):
-        kernels.group_advantages(r, g, estimator="batch")
+        rcgrpo_kernels.group_advantages(r, g, estimator="batch")
     with pytest.raises(ValueError, match="seq_group has 3 elements, expected 2"):
-        kernels.group_advantages(r, torch.zeros(3, dtype=torch.long))
+        rcgrpo_kernels.group_advantages(r, torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="seq_group must be an integer tensor"):
-        kernels.group_advantages(r, torch.zeros(2))
+        rcgrpo_kernels.group_advantages(r, torch.zeros(2))
     with pytest.raises(ValueError, match="rewards must be 1-D"):
-        kernels.group_advantages(torch.zeros(2, 1), g)
+        rcgrpo_kernels.group_advantages(torch.zeros(2, 1), g)
     with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
-        kernels.group_advantages(r, g, eps=float("nan"))
+        rcgrpo_kernels.group_advantages(r, g, eps=float("nan"))

@@ -22,10 +22,10 @@ from kernels_testlib import (
     ready,
 )
 
-import kernels
-from kernels import kl_estimators
+import rcgrpo_kernels
+from rcgrpo_kernels import kl_estimators
 
-KL_NAMES = tuple(kernels.KL_ESTIMATORS)
+KL_NAMES = tuple(rcgrpo_kernels.KL_ESTIMATORS)
 
 
 
@@ -46,7 +46,7 @@ def _problem(seed=0, spread=0.6, seqlens=SEQLENS):
 
 def _run(impl, t, **kw):
     x = leaf(t["logp"])
-    loss, stats = kernels.grpo_loss(x, kw.pop("old", t["old"]), kw.pop("ref", t["ref"]), t["adv"], t["mask"], t["cu"],
+    loss, stats = rcgrpo_kernels.grpo_loss(x, kw.pop("old", t["old"]), kw.pop("ref", t["ref"]), t["adv"], t["mask"], t["cu"],
                                     impl=impl, **kw)
     loss.backward()
     return loss, stats, x.grad
@@ -55,9 +55,9 @@ def _run(impl, t, **kw):
 def test_registry():
     assert KL_NAMES == ("k3", "k1", "k2", "abs", "k1+", "abs+", "k3+")
     with pytest.raises(ValueError, match=r"kl_estimator must be one of \('k3', .*\), got 'low_var_kl'"):
-        kernels.get_kl_estimator("low_var_kl")
+        rcgrpo_kernels.get_kl_estimator("low_var_kl")
     with pytest.raises(ValueError, match="base 'k4' is not one of"):
-        kernels.KLEstimator("x", "k4", "k2")
+        rcgrpo_kernels.KLEstimator("x", "k4", "k2")
 
 
 # --------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def test_dual_clip_by_hand(impl):
     cu = torch.tensor([0, 5], dtype=torch.int32)
     adv = torch.tensor([-1.0])
     x = leaf(logp.to(DEVICE))
-    loss, stats = kernels.grpo_loss(x, old.to(DEVICE), None, adv.to(DEVICE), mask.to(DEVICE), cu.to(DEVICE),
+    loss, stats = rcgrpo_kernels.grpo_loss(x, old.to(DEVICE), None, adv.to(DEVICE), mask.to(DEVICE), cu.to(DEVICE),
                                     loss_type="token-sum", clip_ratio_c=3.0, impl=impl)
     # r=4 > c: held at c A -> 3; r=2: -min(-2, -1.2) = 2; r=0.5 < 0.8: clipped -> 0.8; r=1 -> 1
     assert loss.item() == pytest.approx(3.0 + 2.0 + 0.8 + 1.0, rel=1e-6)
@@ -83,7 +83,7 @@ def test_dual_clip_by_hand(impl):
     # d/dlogp of -A r = r where the unclipped branch is active: token 1 (r=2) and token 3 (r=1)
     assert_close(x.grad, torch.tensor([0.0, 2.0, 0.0, 1.0, 0.0]), what="dlogp")
     # off: the r=4 token counts fully
-    plain, stats = kernels.grpo_loss(logp.to(DEVICE), old.to(DEVICE), None, adv.to(DEVICE), mask.to(DEVICE),
+    plain, stats = rcgrpo_kernels.grpo_loss(logp.to(DEVICE), old.to(DEVICE), None, adv.to(DEVICE), mask.to(DEVICE),
                                      cu.to(DEVICE), loss_type="token-sum", impl=impl)
     assert plain.item() == pytest.approx(4.0 + 2.0 + 0.8 + 1.0, rel=1e-6) and "clip_frac_lower" not in stats
 
@@ -112,7 +112,7 @@ def test_each_kl_estimator_by_hand(impl, name):
     mask = torch.tensor([True, True, True, False])
     cu = torch.tensor([0, 4], dtype=torch.int32)
     x = leaf(logp.to(DEVICE))
-    loss, stats = kernels.grpo_loss(x, None, ref.to(DEVICE), torch.zeros(1, device=DEVICE), mask.to(DEVICE),
+    loss, stats = rcgrpo_kernels.grpo_loss(x, None, ref.to(DEVICE), torch.zeros(1, device=DEVICE), mask.to(DEVICE),
                                     cu.to(DEVICE), beta=0.5, loss_type="bnpo", kl_estimator=name, impl=impl)
     want = [_kl_by_hand(name, v) for v in xs]
     assert loss.item() == pytest.approx(0.5 * sum(v for v, _ in want) / 3, rel=1e-5)
@@ -132,7 +132,7 @@ def test_clamps_by_hand(impl):
     cu = torch.tensor([0, 4], dtype=torch.int32)
     args = (None, ref.to(DEVICE), torch.zeros(1, device=DEVICE), mask.to(DEVICE), cu.to(DEVICE))
     x = leaf(logp.to(DEVICE))
-    loss, stats = kernels.grpo_loss(x, *args, beta=1.0, loss_type="token-sum", kl_estimator="k2",
+    loss, stats = rcgrpo_kernels.grpo_loss(x, *args, beta=1.0, loss_type="token-sum", kl_estimator="k2",
                                     log_ratio_clamp=20.0, kl_clamp=4.0, impl=impl)
     # k2 at x clamped to 20 -> 200 -> clamped to 4; at -3 -> 4.5 -> 4; at 0.5 -> 0.125
     assert loss.item() == pytest.approx(4.0 + 4.0 + 0.125, rel=1e-6)
@@ -141,7 +141,7 @@ def test_clamps_by_hand(impl):
     # the ratio's log: old 30 nats below -> ratio exp(20) with the clamp, A > 0 clips it either way
     old = (logp - 30.0).to(DEVICE)
     y = leaf(logp.to(DEVICE))
-    loss, stats = kernels.grpo_loss(y, old, None, torch.ones(1, device=DEVICE), mask.to(DEVICE), cu.to(DEVICE),
+    loss, stats = rcgrpo_kernels.grpo_loss(y, old, None, torch.ones(1, device=DEVICE), mask.to(DEVICE), cu.to(DEVICE),
                                     loss_type="token-sum", log_ratio_clamp=20.0, impl=impl)
     assert loss.item() == pytest.approx(-3 * 1.2, rel=1e-6) and stats["clip_frac"].item() == 1.0
 
@@ -182,7 +182,7 @@ def test_dialects_in_the_fused_linear_loss(impl, name, dtype):
     outs = []
     for path in ("reference", impl):
         q = {k: leaf(p[k]) for k in ("hidden", "weight", "bias")}
-        loss, stats = kernels.fused_linear_grpo_loss(q["hidden"], q["weight"], p["targets"], p["advantages"],
+        loss, stats = rcgrpo_kernels.fused_linear_grpo_loss(q["hidden"], q["weight"], p["targets"], p["advantages"],
                                                      p["loss_mask"], p["cu_seqlens"], old, ref, bias=q["bias"],
                                                      impl=path, **kw)
         loss.backward()

@@ -21,7 +21,7 @@ from kernels_testlib import (
     ready,
 )
 
-import kernels
+import rcgrpo_kernels
 
 NAN, INF = float("nan"), float("inf")
 
@@ -44,7 +44,7 @@ def _token_problem(seed=0):
 
 def _loss(impl, t, logp=None, **kw):
     kw.setdefault("beta", 0.04)
-    return kernels.grpo_loss(t["logp"] if logp is None else logp, kw.pop("old", t["old"]), kw.pop("ref", t["ref"]),
+    return rcgrpo_kernels.grpo_loss(t["logp"] if logp is None else logp, kw.pop("old", t["old"]), kw.pop("ref", t["ref"]),
                              kw.pop("adv", t["adv"]), t["mask"], t["cu"], impl=impl, **kw)
 
 
@@ -85,7 +85,7 @@ def test_nan_hidden_row_on_a_loss_token_gives_a_nan_loss(impl):
     i = _first_loss_token(p["loss_mask"])
     hidden = p["hidden"].clone()
     hidden[i] = NAN
-    loss, _ = kernels.fused_linear_grpo_loss(hidden, p["weight"], p["targets"], p["advantages"], p["loss_mask"],
+    loss, _ = rcgrpo_kernels.fused_linear_grpo_loss(hidden, p["weight"], p["targets"], p["advantages"], p["loss_mask"],
                                              p["cu_seqlens"], old, ref, beta=0.0, impl=impl)
     assert math.isnan(loss.item())
 
@@ -132,7 +132,7 @@ def test_nan_hidden_rows_off_the_mask_change_nothing(impl):
     outs = []
     for hidden in (p["hidden"], torch.where(off[:, None], torch.full_like(p["hidden"], NAN), p["hidden"])):
         h, w = leaf(hidden), leaf(p["weight"])
-        loss, _ = kernels.fused_linear_grpo_loss(h, w, p["targets"], p["advantages"], p["loss_mask"],
+        loss, _ = rcgrpo_kernels.fused_linear_grpo_loss(h, w, p["targets"], p["advantages"], p["loss_mask"],
                                                  p["cu_seqlens"], old, ref, beta=0.04, impl=impl)
         loss.backward()
         outs.append((loss, h.grad, w.grad))
@@ -160,8 +160,8 @@ def test_rows_with_all_but_a_few_logits_masked(impl, dtype):
     logits = logits.to(DEVICE, dtype)
     targets = targets.to(DEVICE)
     want_x, x = leaf(logits), leaf(logits)
-    want = kernels.token_logprobs(want_x, targets, 0.7, impl="reference")
-    got = kernels.token_logprobs(x, targets, 0.7, impl=impl)
+    want = rcgrpo_kernels.token_logprobs(want_x, targets, 0.7, impl="reference")
+    got = rcgrpo_kernels.token_logprobs(x, targets, 0.7, impl=impl)
     assert_close(got, want, what="logp")
     upstream = torch.randn(n, generator=gen).to(DEVICE)
     (want * upstream).sum().backward()
@@ -183,7 +183,7 @@ def test_an_lm_head_bias_of_minus_inf_on_the_first_tiles(impl):
     outs = []
     for path in ("reference", impl):
         h, w = leaf(p["hidden"]), leaf(p["weight"])
-        loss, stats = kernels.fused_linear_grpo_loss(h, w, targets, p["advantages"], p["loss_mask"], p["cu_seqlens"],
+        loss, stats = rcgrpo_kernels.fused_linear_grpo_loss(h, w, targets, p["advantages"], p["loss_mask"], p["cu_seqlens"],
                                                      old, bias=bias, compute_entropy=True, impl=path)
         loss.backward()
         outs.append((loss, stats, h.grad, w.grad))
@@ -225,10 +225,10 @@ def _bad_calls():
     p = packed_problem()
     fl = dict(hidden=p["hidden"], weight=p["weight"], targets=p["targets"], advantages=p["advantages"],
               loss_mask=p["loss_mask"], cu_seqlens=p["cu_seqlens"])
-    g = lambda **kw: (lambda: kernels.grpo_loss(**{**dict(logp=t["logp"], old_logp=t["old"], ref_logp=t["ref"],  # noqa: E731
+    g = lambda **kw: (lambda: rcgrpo_kernels.grpo_loss(**{**dict(logp=t["logp"], old_logp=t["old"], ref_logp=t["ref"],  # noqa: E731
                                                           advantages=t["adv"], loss_mask=t["mask"],
                                                           cu_seqlens=t["cu"]), **kw}))
-    f = lambda **kw: (lambda: kernels.fused_linear_grpo_loss(**{**fl, **kw}))  # noqa: E731
+    f = lambda **kw: (lambda: rcgrpo_kernels.fused_linear_grpo_loss(**{**fl, **kw}))  # noqa: E731
     bad_cu = t["cu"].clone()
     bad_cu[2] = bad_cu[1] - 1
     yield "old_logp has 5 elements", g(old_logp=torch.zeros(5, device=DEVICE))
@@ -257,18 +257,18 @@ def _bad_calls():
     yield "temperature must be a finite number > 0", f(temperature=0.0)
     yield r"targets must be token ids in \[0, 75\) where they are read, got values in \[-100",\
         f(targets=torch.where(p["loss_mask"], torch.full_like(p["targets"], -100), p["targets"]))
-    yield "targets must be token ids in", lambda: kernels.token_logprobs(torch.zeros(3, 7, device=DEVICE),
+    yield "targets must be token ids in", lambda: rcgrpo_kernels.token_logprobs(torch.zeros(3, 7, device=DEVICE),
                                                                          torch.tensor([0, 7, 1], device=DEVICE))
-    yield "targets must be token ids in", lambda: kernels.fused_linear_logprobs(
+    yield "targets must be token ids in", lambda: rcgrpo_kernels.fused_linear_logprobs(
         p["hidden"], p["weight"], torch.full_like(p["targets"], 75))
-    yield "logits must be 2-D", lambda: kernels.token_logprobs(torch.zeros(3, device=DEVICE),
+    yield "logits must be 2-D", lambda: rcgrpo_kernels.token_logprobs(torch.zeros(3, device=DEVICE),
                                                               torch.zeros(3, dtype=torch.long, device=DEVICE))
-    yield "weight must be a floating-point tensor", lambda: kernels.fused_linear_logprobs(
+    yield "weight must be a floating-point tensor", lambda: rcgrpo_kernels.fused_linear_logprobs(
         p["hidden"], p["weight"].long(), p["targets"])
     ids = torch.arange(6, device=DEVICE)
-    yield "input_ids must be a 1-D integer tensor", lambda: kernels.next_token_targets(
+    yield "input_ids must be a 1-D integer tensor", lambda: rcgrpo_kernels.next_token_targets(
         ids.float(), torch.ones(6, dtype=torch.bool, device=DEVICE), cu_of([6]))
-    yield "cu_seqlens must run from 0 to N=6", lambda: kernels.next_token_targets(
+    yield "cu_seqlens must run from 0 to N=6", lambda: rcgrpo_kernels.next_token_targets(
         ids, torch.ones(6, dtype=torch.bool, device=DEVICE), cu_of([5]))
 
 
@@ -286,8 +286,8 @@ def test_an_ignore_index_off_the_loss_tokens_is_fine():
     targets = torch.where(p["loss_mask"], p["targets"], torch.full_like(p["targets"], -100))
     args = (p["hidden"], p["weight"])
     rest = (p["advantages"], p["loss_mask"], p["cu_seqlens"])
-    a, _ = kernels.fused_linear_grpo_loss(*args, p["targets"], *rest)
-    b, _ = kernels.fused_linear_grpo_loss(*args, targets, *rest)
+    a, _ = rcgrpo_kernels.fused_linear_grpo_loss(*args, p["targets"], *rest)
+    b, _ = rcgrpo_kernels.fused_linear_grpo_loss(*args, targets, *rest)
     assert a.item() == b.item()
 
 
@@ -304,10 +304,10 @@ def test_a_strided_bias_is_read_correctly(impl):
     for bias in (p["bias"], strided):
         b = leaf(bias)
         h = leaf(p["hidden"])
-        loss, _ = kernels.fused_linear_grpo_loss(h, p["weight"], p["targets"], p["advantages"], p["loss_mask"],
+        loss, _ = rcgrpo_kernels.fused_linear_grpo_loss(h, p["weight"], p["targets"], p["advantages"], p["loss_mask"],
                                                  p["cu_seqlens"], bias=b, impl=impl)
         loss.backward()
-        lp = kernels.fused_linear_logprobs(p["hidden"], p["weight"], p["targets"], bias=bias, impl=impl)
+        lp = rcgrpo_kernels.fused_linear_logprobs(p["hidden"], p["weight"], p["targets"], bias=bias, impl=impl)
         outs.append((loss, h.grad, b.grad, lp))
     for a, b, what in zip(outs[0], outs[1], ("loss", "dhidden", "dbias", "logprobs")):
         assert_close(b, a, what=what, grad=what.startswith("d"))
@@ -350,7 +350,7 @@ def test_edge_batches_match_the_reference(impl, case):
     outs = []
     for path in ("reference", impl):
         h, w = leaf(p["hidden"]), leaf(p["weight"])
-        loss, stats = kernels.fused_linear_grpo_loss(h, w, p["targets"], p["advantages"], p["loss_mask"],
+        loss, stats = rcgrpo_kernels.fused_linear_grpo_loss(h, w, p["targets"], p["advantages"], p["loss_mask"],
                                                      p["cu_seqlens"], old, ref, eps_low=0.1, eps_high=0.28,
                                                      beta=0.04, clip_ratio_c=1.5, impl=path)
         loss.backward()
@@ -358,9 +358,9 @@ def test_edge_batches_match_the_reference(impl, case):
         # fed log-probs of the loss rows only (the interpreter projects 70,000 rows slowly)
         m = p["loss_mask"]
         lp = torch.zeros(m.numel(), device=DEVICE).index_put(
-            (m.nonzero().reshape(-1),), kernels.fused_linear_logprobs(p["hidden"][m], p["weight"], p["targets"][m],
+            (m.nonzero().reshape(-1),), rcgrpo_kernels.fused_linear_logprobs(p["hidden"][m], p["weight"], p["targets"][m],
                                                                       impl=path))
-        t_loss, _ = kernels.grpo_loss(lp, old, ref, p["advantages"], m, p["cu_seqlens"], beta=0.04, impl=path)
+        t_loss, _ = rcgrpo_kernels.grpo_loss(lp, old, ref, p["advantages"], m, p["cu_seqlens"], beta=0.04, impl=path)
         outs.append((loss, stats, h.grad, w.grad, t_loss))
     (a, sa, ha, wa, ta), (b, sb, hb, wb, tb) = outs
     assert_close(b, a, what="loss")
@@ -382,10 +382,10 @@ def test_groups_of_one_and_constant_groups_contribute_no_policy_gradient(impl):
     rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0], device=DEVICE)
     groups = torch.tensor([0, 1, 1, 2, 2], device=DEVICE)  # one, spread, constant... group 0 of one
     rewards[1] = 1.0  # group 1 = {1.0, 0.0}: spread
-    adv = kernels.group_advantages(rewards, groups, impl=impl)
+    adv = rcgrpo_kernels.group_advantages(rewards, groups, impl=impl)
     assert adv[0] == 0 and (adv[3:] == 0).all() and (adv[1:3] != 0).all()
     h = leaf(p["hidden"])
-    loss, _ = kernels.fused_linear_grpo_loss(h, p["weight"], p["targets"], adv, p["loss_mask"], p["cu_seqlens"],
+    loss, _ = rcgrpo_kernels.fused_linear_grpo_loss(h, p["weight"], p["targets"], adv, p["loss_mask"], p["cu_seqlens"],
                                              impl=impl)
     loss.backward()
     cu = p["cu_seqlens"].tolist()
@@ -405,12 +405,12 @@ def test_every_combination_of_inputs_requiring_grad(impl, needs):
 
     def run(path):
         h, w, b = (leaf(p[k]) if k[0] in needs else p[k] for k in ("hidden", "weight", "bias"))
-        loss, _ = kernels.fused_linear_grpo_loss(h, w, p["targets"], p["advantages"], p["loss_mask"],
+        loss, _ = rcgrpo_kernels.fused_linear_grpo_loss(h, w, p["targets"], p["advantages"], p["loss_mask"],
                                                  p["cu_seqlens"], old, ref, beta=0.04, bias=b, impl=path)
         assert loss.requires_grad == bool(needs)
         if needs:
             loss.backward()
-        lp = kernels.fused_linear_logprobs(*(leaf(p[k]) if k[0] in needs else p[k] for k in ("hidden", "weight")),
+        lp = rcgrpo_kernels.fused_linear_logprobs(*(leaf(p[k]) if k[0] in needs else p[k] for k in ("hidden", "weight")),
                                            p["targets"], bias=p["bias"], impl=path)
         grads = [t.grad for t in (h, w, b) if t.requires_grad]
         return loss, grads, lp
@@ -440,7 +440,7 @@ def test_chunked_past_two_to_the_31_logits():
     targets = torch.randint(0, v, (n,), generator=gen)
     adv = torch.tensor([1.0, -0.5, 0.25])
     h, w = leaf(hidden), leaf(weight)
-    got, _ = kernels.fused_linear_grpo_loss(h, w, targets, adv, mask, cu, impl="chunked")
+    got, _ = rcgrpo_kernels.fused_linear_grpo_loss(h, w, targets, adv, mask, cu, impl="chunked")
     got.backward()
 
     rows = mask.nonzero().reshape(-1)
@@ -448,11 +448,11 @@ def test_chunked_past_two_to_the_31_logits():
     # On-policy with beta 0 the loss and d loss / d logp do not depend on the
     # log-probs' values (ratio 1): the reference loss of any logp gives both.
     x = leaf(torch.zeros(n))
-    want, _ = kernels.grpo_loss(x, None, None, adv, mask, cu, impl="reference")
+    want, _ = rcgrpo_kernels.grpo_loss(x, None, None, adv, mask, cu, impl="reference")
     want.backward()
     upstream = x.grad[rows]
     for r, g in zip(rows.split(4096), upstream.split(4096)):
-        (kernels.fused_linear_logprobs(hr[r], wr, targets[r], impl="reference") * g).sum().backward()
+        (rcgrpo_kernels.fused_linear_logprobs(hr[r], wr, targets[r], impl="reference") * g).sum().backward()
     assert_close(got, want, what="loss")
     assert_close(h.grad, hr.grad, what="dhidden", grad=True)
     # dweight sums 33,000 rows in fp32, in 129 chunks here and 5 slices there:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from kernels_testlib import FAST_IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem, triton_ready
 
-import kernels
-from kernels import chunked
+import rcgrpo_kernels
+from rcgrpo_kernels import chunked
 
-LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
+LOSS_TYPES = tuple(rcgrpo_kernels.LOSS_TYPES)  # every registered reduction
 
 
 def _compare(impl, p, old, ref, dtype=torch.float32, entropy=True, **kw):
@@ -19,9 +19,9 @@ def _compare(impl, p, old, ref, dtype=torch.float32, entropy=True, **kw):
                       p["cu_seqlens"], old, ref)
     q_ref = {k: leaf(p[k]) for k in ("hidden", "weight", "bias")}
     q = {k: leaf(p[k]) for k in ("hidden", "weight", "bias")}
-    want, want_stats = kernels.fused_linear_grpo_loss(*args(q_ref), bias=q_ref["bias"], compute_entropy=entropy,
+    want, want_stats = rcgrpo_kernels.fused_linear_grpo_loss(*args(q_ref), bias=q_ref["bias"], compute_entropy=entropy,
                                                       impl="reference", **kw)
-    got, stats = kernels.fused_linear_grpo_loss(*args(q), bias=q["bias"], compute_entropy=entropy, impl=impl, **kw)
+    got, stats = rcgrpo_kernels.fused_linear_grpo_loss(*args(q), bias=q["bias"], compute_entropy=entropy, impl=impl, **kw)
     assert got.dtype == torch.float32 and got.dim() == 0
     assert_close(got, want, dtype, "loss")
     assert set(stats) == set(want_stats)
@@ -87,7 +87,7 @@ def test_odd_batches(impl, which):
         if impl == "triton":
             triton_ready()
         h = leaf(p["hidden"])
-        loss, stats = kernels.fused_linear_grpo_loss(h, p["weight"], p["targets"], p["advantages"], p["loss_mask"],
+        loss, stats = rcgrpo_kernels.fused_linear_grpo_loss(h, p["weight"], p["targets"], p["advantages"], p["loss_mask"],
                                                      p["cu_seqlens"], old, ref, beta=0.04, impl=impl)
         loss.backward()
         assert loss.item() == 0.0 and (h.grad == 0).all()
@@ -103,8 +103,8 @@ def test_targets_of_non_loss_rows_are_never_read(impl):
     bad = p["targets"].clone()
     bad[~p["loss_mask"]] = 10_000
     args = (p["advantages"], p["loss_mask"], p["cu_seqlens"])
-    a, _ = kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], *args, impl=impl)
-    b, _ = kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], bad, *args, impl=impl)
+    a, _ = rcgrpo_kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], *args, impl=impl)
+    b, _ = rcgrpo_kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], bad, *args, impl=impl)
     assert a.item() == b.item()
 
 
@@ -135,7 +135,7 @@ def test_entropy_only_when_asked(impl):
     if impl == "triton":
         triton_ready()
     p = packed_problem(seed=8)
-    _, stats = kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"],
+    _, stats = rcgrpo_kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"],
                                               p["loss_mask"], p["cu_seqlens"], impl=impl)
     assert set(stats) == {"clip_frac"}
 
@@ -143,12 +143,12 @@ def test_entropy_only_when_asked(impl):
 def test_validation():
     p = packed_problem()
     with pytest.raises(ValueError, match="ref_logp"):
-        kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"], p["loss_mask"],
+        rcgrpo_kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"], p["loss_mask"],
                                        p["cu_seqlens"], beta=0.1)
     with pytest.raises(ValueError, match=r"\[N, H\]"):
-        kernels.fused_linear_grpo_loss(p["hidden"], p["weight"].t(), p["targets"], p["advantages"],
+        rcgrpo_kernels.fused_linear_grpo_loss(p["hidden"], p["weight"].t(), p["targets"], p["advantages"],
                                        p["loss_mask"], p["cu_seqlens"])
     old = torch.zeros(3)
     with pytest.raises(ValueError, match="expected"):
-        kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"], p["loss_mask"],
+        rcgrpo_kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"], p["loss_mask"],
                                        p["cu_seqlens"], old_logp=old, impl="chunked")

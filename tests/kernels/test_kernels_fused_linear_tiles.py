@@ -12,8 +12,8 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, assert_close, leaf, old_ref_for, packed_problem, triton_ready
 
-import kernels
-import kernels.triton.fused_linear_logprob as flp  # noqa: E402 (after TRITON_INTERPRET is set by conftest)
+import rcgrpo_kernels
+import rcgrpo_kernels.triton.fused_linear_logprob as flp  # noqa: E402 (after TRITON_INTERPRET is set by conftest)
 
 # the interpreter's tiles, then "the i-th config of each kind" for every i
 FORCED = [flp.INTERP_CONFIG] + list(range(max(len(c) for c in flp.CONFIGS.values())))
@@ -58,9 +58,9 @@ def test_fused_linear_logprobs_every_config(forced, dtype, small_chunks):
     upstream = torch.randn(n, generator=g).to(DEVICE)
     ins_ref = [leaf(hidden), leaf(weight), leaf(bias)]
     ins = [leaf(hidden), leaf(weight), leaf(bias)]
-    want = kernels.fused_linear_logprobs(ins_ref[0], ins_ref[1], targets, 0.8, ins_ref[2], impl="reference")
+    want = rcgrpo_kernels.fused_linear_logprobs(ins_ref[0], ins_ref[1], targets, 0.8, ins_ref[2], impl="reference")
     with flp.forced_config(forced):
-        got = kernels.fused_linear_logprobs(ins[0], ins[1], targets, 0.8, ins[2], impl="triton")
+        got = rcgrpo_kernels.fused_linear_logprobs(ins[0], ins[1], targets, 0.8, ins[2], impl="triton")
         (got * upstream).sum().backward()
     (want * upstream).sum().backward()
     assert_close(got, want, dtype, "logp")
@@ -81,9 +81,9 @@ def test_fused_linear_grpo_loss_every_config(forced, dtype, small_chunks):
     q_ref = {k: leaf(p[k]) for k in ("hidden", "weight")}
     q = {k: leaf(p[k]) for k in ("hidden", "weight")}
     kw = dict(beta=0.04, compute_entropy=True)
-    want, want_stats = kernels.fused_linear_grpo_loss(*args(q_ref), impl="reference", **kw)
+    want, want_stats = rcgrpo_kernels.fused_linear_grpo_loss(*args(q_ref), impl="reference", **kw)
     with flp.forced_config(forced):
-        got, stats = kernels.fused_linear_grpo_loss(*args(q), impl="triton", **kw)
+        got, stats = rcgrpo_kernels.fused_linear_grpo_loss(*args(q), impl="triton", **kw)
         got.backward()
     want.backward()
     assert_close(got, want, dtype, "loss")
@@ -174,7 +174,7 @@ def test_dz_chunk_rows_from_free_memory(monkeypatch):
 def test_tuner_times_each_config_once_per_key(monkeypatch):
     import triton.testing
 
-    from kernels.triton import common
+    from rcgrpo_kernels.triton import common
 
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.delenv("KERNELS_AUTOTUNE", raising=False)
@@ -269,8 +269,8 @@ def test_fp16_gradients_survive_tiny_dlogits(monkeypatch):
     targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     upstream = torch.full((n,), 1e-3, device=DEVICE)
     a, b = leaf(hidden), leaf(hidden)
-    (kernels.fused_linear_logprobs(a, weight, targets, impl="reference") * upstream).sum().backward()
-    (kernels.fused_linear_logprobs(b, weight, targets, impl="triton") * upstream).sum().backward()
+    (rcgrpo_kernels.fused_linear_logprobs(a, weight, targets, impl="reference") * upstream).sum().backward()
+    (rcgrpo_kernels.fused_linear_logprobs(b, weight, targets, impl="triton") * upstream).sum().backward()
     assert_close(b.grad, a.grad, torch.float16, "dhidden", grad=True)
     assert flp.dz_dtype_for(torch.float16) != torch.float16
 
@@ -296,8 +296,8 @@ def test_mixed_bf16_hidden_fp32_master_weight():
     targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     h_ref, w_ref = leaf(hidden.float()), leaf(weight.bfloat16().float())
     h, w = leaf(hidden), leaf(weight)
-    want = kernels.fused_linear_logprobs(h_ref, w_ref, targets, impl="reference")
-    got = kernels.fused_linear_logprobs(h, w, targets, impl="triton")
+    want = rcgrpo_kernels.fused_linear_logprobs(h_ref, w_ref, targets, impl="reference")
+    got = rcgrpo_kernels.fused_linear_logprobs(h, w, targets, impl="triton")
     want.sum().backward()
     got.sum().backward()
     assert_close(got, want, torch.bfloat16, "logp")

@@ -7,15 +7,15 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, FAST_IMPLS, IMPLS, SEQLENS, assert_close, cu_of, loss_mask_for, triton_ready
 
-import kernels
+import rcgrpo_kernels
 
-LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
+LOSS_TYPES = tuple(rcgrpo_kernels.LOSS_TYPES)  # every registered reduction
 
 
 def _run(impl, *args, **kw):
     if impl == "triton":
         triton_ready()
-    return kernels.grpo_loss(*args, impl=impl, **kw)
+    return rcgrpo_kernels.grpo_loss(*args, impl=impl, **kw)
 
 
 def _hand_batch():
@@ -80,7 +80,7 @@ def test_matches_reference(impl, loss_type, beta, with_old, dtype):
     x_ref = logp.detach().clone().requires_grad_()
     x = logp.detach().clone().requires_grad_()
     args = (old, ref, adv, mask, cu, 0.1, 0.28, beta, loss_type)  # eps_low != eps_high
-    want, want_stats = kernels.grpo_loss(x_ref, *args, impl="reference")
+    want, want_stats = rcgrpo_kernels.grpo_loss(x_ref, *args, impl="reference")
     got, stats = _run(impl, x, *args)
     assert got.dtype == torch.float32 and got.dim() == 0
     assert_close(got, want, what="loss")
@@ -143,8 +143,8 @@ def test_validation():
     mask = torch.ones(4, dtype=torch.bool)
     adv = torch.zeros(1)
     with pytest.raises(ValueError, match="ref_logp"):
-        kernels.grpo_loss(logp, None, None, adv, mask, cu, beta=0.1)
+        rcgrpo_kernels.grpo_loss(logp, None, None, adv, mask, cu, beta=0.1)
     with pytest.raises(ValueError, match="loss_type"):
-        kernels.grpo_loss(logp, None, None, adv, mask, cu, loss_type="sapo")
+        rcgrpo_kernels.grpo_loss(logp, None, None, adv, mask, cu, loss_type="sapo")
     with pytest.raises(ValueError, match="advantages"):
-        kernels.grpo_loss(logp, None, None, torch.zeros(2), mask, cu)
+        rcgrpo_kernels.grpo_loss(logp, None, None, torch.zeros(2), mask, cu)

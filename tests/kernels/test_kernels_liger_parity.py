@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, FAST_IMPLS, IMPLS, assert_close, cu_of, triton_ready
 
-import kernels
+import rcgrpo_kernels
 from tests.required import require
 
 liger_grpo = require("liger_kernel.chunked_loss.grpo_loss", "dev")
@@ -60,7 +60,7 @@ def test_matches_liger(impl, loss_type, beta, with_old):
     # the same tokens, packed: drop the padding
     ph = hidden[valid].clone().requires_grad_()
     pw, pb = weight.clone().requires_grad_(), bias.clone().requires_grad_()
-    loss, stats = kernels.fused_linear_grpo_loss(
+    loss, stats = rcgrpo_kernels.fused_linear_grpo_loss(
         ph, pw, ids[valid], adv, mask[valid], cu_of(SEQLENS), old[valid] if with_old else None,
         ref[valid], eps_low=0.15, eps_high=0.3, beta=beta, temperature=0.8, loss_type=loss_type, bias=pb,
         max_tokens=max_len, impl=impl)
@@ -91,7 +91,7 @@ def test_matches_liger_bf16(impl):
     l_loss.backward()
     ph = hidden[valid].bfloat16().requires_grad_()
     pw = weight.bfloat16().requires_grad_()
-    loss, _ = kernels.fused_linear_grpo_loss(ph, pw, ids[valid], adv, mask[valid], cu_of(SEQLENS),
+    loss, _ = rcgrpo_kernels.fused_linear_grpo_loss(ph, pw, ids[valid], adv, mask[valid], cu_of(SEQLENS),
                                              old[valid], ref[valid], beta=0.04, loss_type="dapo", impl=impl)
     loss.backward()
     assert abs(loss.item() - l_loss.item()) <= 2e-2 * max(1.0, abs(l_loss.item()))

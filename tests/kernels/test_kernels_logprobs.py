@@ -5,8 +5,8 @@ import pytest
 import torch
 from kernels_testlib import DEVICE, DTYPES, FAST_IMPLS, assert_close, leaf, triton_ready
 
-import kernels
-from kernels import chunked
+import rcgrpo_kernels
+from rcgrpo_kernels import chunked
 
 
 def _maybe_triton(impl):
@@ -19,10 +19,10 @@ def test_reference_matches_log_softmax_by_hand():
     targets = torch.tensor([2, 0])
     lse = torch.logsumexp(torch.tensor([1.0, 2.0, 3.0]), 0).item()
     want = torch.tensor([3.0 - lse, -torch.log(torch.tensor(3.0)).item()])
-    torch.testing.assert_close(kernels.token_logprobs(logits, targets, impl="reference"), want)
+    torch.testing.assert_close(rcgrpo_kernels.token_logprobs(logits, targets, impl="reference"), want)
     # temperature divides the logits
-    t2 = kernels.token_logprobs(logits, targets, 2.0, impl="reference")
-    torch.testing.assert_close(t2, kernels.token_logprobs(logits / 2, targets, impl="reference"))
+    t2 = rcgrpo_kernels.token_logprobs(logits, targets, 2.0, impl="reference")
+    torch.testing.assert_close(t2, rcgrpo_kernels.token_logprobs(logits / 2, targets, impl="reference"))
 
 
 @pytest.mark.parametrize("impl", FAST_IMPLS)
@@ -36,8 +36,8 @@ def test_token_logprobs(impl, dtype, temperature):
     targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     upstream = torch.randn(n, generator=g).to(DEVICE)
     x_ref, x = leaf(logits), leaf(logits)
-    want = kernels.token_logprobs(x_ref, targets, temperature, impl="reference")
-    got = kernels.token_logprobs(x, targets, temperature, impl=impl)
+    want = rcgrpo_kernels.token_logprobs(x_ref, targets, temperature, impl="reference")
+    got = rcgrpo_kernels.token_logprobs(x, targets, temperature, impl=impl)
     assert got.dtype == torch.float32 and got.shape == (n,)
     assert_close(got, want, dtype, "logp")
     (want * upstream).sum().backward()
@@ -60,8 +60,8 @@ def test_fused_linear_logprobs(impl, dtype, temperature, bias):
     upstream = torch.randn(n, generator=g).to(DEVICE)
     ins_ref = [leaf(hidden), leaf(weight), leaf(b)]
     ins = [leaf(hidden), leaf(weight), leaf(b)]
-    want = kernels.fused_linear_logprobs(ins_ref[0], ins_ref[1], targets, temperature, ins_ref[2], impl="reference")
-    got = kernels.fused_linear_logprobs(ins[0], ins[1], targets, temperature, ins[2], impl=impl)
+    want = rcgrpo_kernels.fused_linear_logprobs(ins_ref[0], ins_ref[1], targets, temperature, ins_ref[2], impl="reference")
+    got = rcgrpo_kernels.fused_linear_logprobs(ins[0], ins[1], targets, temperature, ins[2], impl=impl)
     assert got.dtype == torch.float32
     assert_close(got, want, dtype, "logp")
     (want * upstream).sum().backward()
@@ -87,7 +87,7 @@ def test_chunked_many_chunks_match_one_chunk():
         torch.testing.assert_close(x, y)
     logits = torch.randn(23, 41, generator=g, requires_grad=True)
     c = chunked.token_logprobs(logits, targets, chunk_rows=4)
-    torch.testing.assert_close(c, kernels.token_logprobs(logits, targets, impl="reference"))
+    torch.testing.assert_close(c, rcgrpo_kernels.token_logprobs(logits, targets, impl="reference"))
 
 
 @pytest.mark.parametrize("impl", FAST_IMPLS)
@@ -98,9 +98,9 @@ def test_no_grad_and_frozen_weight(impl):
     weight = torch.randn(33, 16, generator=g).to(DEVICE)  # frozen lm_head
     targets = torch.randint(0, 33, (17,), generator=g).to(DEVICE)
     with torch.no_grad():
-        lp = kernels.fused_linear_logprobs(hidden, weight, targets, impl=impl)
+        lp = rcgrpo_kernels.fused_linear_logprobs(hidden, weight, targets, impl=impl)
     assert not lp.requires_grad
-    lp = kernels.fused_linear_logprobs(hidden, weight, targets, impl=impl)
+    lp = rcgrpo_kernels.fused_linear_logprobs(hidden, weight, targets, impl=impl)
     lp.sum().backward()
     assert weight.grad is None and hidden.grad is not None
 
@@ -108,13 +108,13 @@ def test_no_grad_and_frozen_weight(impl):
 def test_auto_dispatch_on_cpu_is_chunked(monkeypatch):
     called = []
     monkeypatch.setattr(chunked, "token_logprobs", lambda *a, **k: called.append(1) or torch.zeros(1))
-    kernels.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long))
+    rcgrpo_kernels.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long))
     assert called == [1]
 
 
 def test_bad_impl_is_rejected():
     with pytest.raises(ValueError):
-        kernels.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), impl="cuda")
+        rcgrpo_kernels.token_logprobs(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), impl="cuda")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the 65,535 grid limit only exists on a GPU")
@@ -122,5 +122,5 @@ def test_triton_more_rows_than_grid_y_limit():
     n, v = 70_001, 100
     logits = torch.randn(n, v, device="cuda")
     targets = torch.randint(0, v, (n,), device="cuda")
-    got = kernels.token_logprobs(logits, targets, impl="triton")
-    assert_close(got, kernels.token_logprobs(logits, targets, impl="reference"), what="logp")
+    got = rcgrpo_kernels.token_logprobs(logits, targets, impl="triton")
+    assert_close(got, rcgrpo_kernels.token_logprobs(logits, targets, impl="reference"), what="logp")

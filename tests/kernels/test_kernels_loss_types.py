@@ -1,4 +1,4 @@
-"""The loss-type registry (kernels/loss_types.py): the built-in reductions'
+"""The loss-type registry (rcgrpo_kernels/loss_types.py): the built-in reductions'
 weights by hand, and a newly registered reduction running on every path,
 forward and backward, against a loss written out in plain Python."""
 
@@ -17,8 +17,8 @@ from kernels_testlib import (
     triton_ready,
 )
 
-import kernels
-from kernels import loss_types
+import rcgrpo_kernels
+from rcgrpo_kernels import loss_types
 
 
 def test_builtin_sequence_weights_by_hand():
@@ -34,7 +34,7 @@ def test_builtin_sequence_weights_by_hand():
     torch.testing.assert_close(loss_types.sequence_weights(counts, "seq-mean-token-sum-norm", 10),
                                torch.full((4,), 1 / 10))
     # no loss token anywhere, or no sequence at all: every weight is finite
-    for lt in kernels.LOSS_TYPES:
+    for lt in rcgrpo_kernels.LOSS_TYPES:
         assert torch.isfinite(loss_types.sequence_weights(torch.zeros(3, dtype=torch.long), lt)).all()
         assert loss_types.sequence_weights(torch.zeros(0, dtype=torch.long), lt).numel() == 0
 
@@ -42,31 +42,31 @@ def test_builtin_sequence_weights_by_hand():
 def test_normaliser_counts_the_selected_sequences():
     counts = torch.tensor([3, 0, 2, 5])
     keep = torch.tensor([True, True, False, True])
-    got = {name: (int(lt.count(counts)), int(lt.count(counts, keep))) for name, lt in kernels.LOSS_TYPES.items()}
+    got = {name: (int(lt.count(counts)), int(lt.count(counts, keep))) for name, lt in rcgrpo_kernels.LOSS_TYPES.items()}
     assert got == {"grpo": (3, 2), "bnpo": (10, 8), "dapo": (10, 8), "dr_grpo": (4, 3),
                    "token-sum": (1, 1), "seq-mean-token-sum": (3, 2), "seq-mean-token-sum-norm": (1, 1)}
-    assert [name for name, lt in kernels.LOSS_TYPES.items() if not lt.divides] == [
+    assert [name for name, lt in rcgrpo_kernels.LOSS_TYPES.items() if not lt.divides] == [
         "token-sum", "seq-mean-token-sum-norm"]
 
 
 def test_names_and_errors():
-    assert tuple(kernels.LOSS_TYPES) == ("grpo", "bnpo", "dapo", "dr_grpo", "token-sum", "seq-mean-token-sum",
+    assert tuple(rcgrpo_kernels.LOSS_TYPES) == ("grpo", "bnpo", "dapo", "dr_grpo", "token-sum", "seq-mean-token-sum",
                                          "seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match=r"loss_type must be one of \('grpo', .*'seq-mean-token-sum-norm'\), got 'sum'"):
-        kernels.get_loss_type("sum")
+        rcgrpo_kernels.get_loss_type("sum")
     with pytest.raises(ValueError, match="already registered"):
-        kernels.register_loss_type(kernels.LossType("grpo", lambda c, k: k.sum()))
+        rcgrpo_kernels.register_loss_type(rcgrpo_kernels.LossType("grpo", lambda c, k: k.sum()))
     with pytest.raises(ValueError, match="choose one of"):
-        kernels.LossType("both", lambda c, k: k.sum(), mean_within_sequence=True, scaled_by_max_tokens=True)
+        rcgrpo_kernels.LossType("both", lambda c, k: k.sum(), mean_within_sequence=True, scaled_by_max_tokens=True)
     with pytest.raises(TypeError):  # the registry is read-only from outside
-        kernels.LOSS_TYPES["x"] = None  # type: ignore[index]
+        rcgrpo_kernels.LOSS_TYPES["x"] = None  # type: ignore[index]
 
 
 @pytest.fixture
 def sequence_sum_type():
     """A reduction the built-ins do not have: each sequence's token sum,
     averaged over the sequences that have loss tokens."""
-    lt = kernels.register_loss_type(kernels.LossType(
+    lt = rcgrpo_kernels.register_loss_type(rcgrpo_kernels.LossType(
         "seq_sum_mean", lambda counts, keep: ((counts > 0) & keep).sum(), description="test only"))
     yield lt.name
     loss_types._REGISTRY.pop(lt.name)
@@ -94,7 +94,7 @@ def test_registered_type_runs_on_every_path(impl, sequence_sum_type):
     mask = loss_mask_for(SEQLENS)
     logp = leaf((-2.0 + torch.randn(n, generator=gen)).to(DEVICE))
     adv = torch.randn(s, generator=gen).to(DEVICE)
-    loss, _ = kernels.grpo_loss(logp, None, None, adv, mask, cu, loss_type=sequence_sum_type, impl=impl)
+    loss, _ = rcgrpo_kernels.grpo_loss(logp, None, None, adv, mask, cu, loss_type=sequence_sum_type, impl=impl)
     # on-policy, beta 0: each loss token's loss is -A of its sequence, its gradient too
     adv_tok = torch.repeat_interleave(adv.cpu(), torch.tensor(SEQLENS))
     assert loss.item() == pytest.approx(_by_hand(-adv_tok, mask.cpu(), SEQLENS), rel=1e-6)
@@ -119,7 +119,7 @@ def test_registered_type_in_the_fused_linear_loss(impl, sequence_sum_type):
 
     def run(loss_type, advantages, impl):
         hidden, weight = leaf(p["hidden"]), leaf(p["weight"])
-        loss, stats = kernels.fused_linear_grpo_loss(hidden, weight, p["targets"], advantages, mask, cu, old_logp=old,
+        loss, stats = rcgrpo_kernels.fused_linear_grpo_loss(hidden, weight, p["targets"], advantages, mask, cu, old_logp=old,
                                                      loss_type=loss_type, impl=impl)
         loss.backward()
         return loss, stats, hidden.grad, weight.grad

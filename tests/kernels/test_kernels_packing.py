@@ -4,19 +4,19 @@ and reduction weights (what the fast paths share)."""
 import torch
 from kernels_testlib import cu_of
 
-import kernels
-from kernels import packing
+import rcgrpo_kernels
+from rcgrpo_kernels import packing
 
 
 def test_next_token_targets_alignment():
     ids = torch.tensor([10, 11, 12, 20, 21, 30])
     gen = torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool)  # generated tokens
     cu = cu_of([3, 2, 1], "cpu")
-    targets, pred = kernels.next_token_targets(ids, gen, cu)
+    targets, pred = rcgrpo_kernels.next_token_targets(ids, gen, cu)
     assert targets.tolist() == [11, 12, 0, 21, 0, 0]  # last token of each sequence -> 0
     assert pred.tolist() == [True, True, False, True, False, False]
     # an empty sequence in the middle or at the front changes nothing
-    t2, p2 = kernels.next_token_targets(ids, gen, cu_of([0, 3, 0, 2, 1], "cpu"))
+    t2, p2 = rcgrpo_kernels.next_token_targets(ids, gen, cu_of([0, 3, 0, 2, 1], "cpu"))
     assert t2.tolist() == targets.tolist() and p2.tolist() == pred.tolist()
 
 
@@ -31,18 +31,18 @@ def test_end_to_end_logp_of_generated_tokens():
     hidden = torch.randn(n, h, generator=g)
     weight = torch.randn(v, h, generator=g)
     cu = cu_of(seqlens, "cpu")
-    targets, pred = kernels.next_token_targets(ids, gen, cu)
+    targets, pred = rcgrpo_kernels.next_token_targets(ids, gen, cu)
     want = []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         logits = hidden[a : b - 1] @ weight.t()
         lp = torch.log_softmax(logits, -1).gather(1, ids[a + 1 : b, None]).squeeze(1)
         want.append(lp[gen[a + 1 : b]])
     want = torch.cat(want)
-    got = kernels.fused_linear_logprobs(hidden, weight, targets)[pred]
+    got = rcgrpo_kernels.fused_linear_logprobs(hidden, weight, targets)[pred]
     torch.testing.assert_close(got, want)
     # and the loss sees exactly those tokens: bnpo with ratio 1 is -mean(A)
     adv = torch.tensor([1.0, 2.0, 4.0])
-    loss, _ = kernels.fused_linear_grpo_loss(hidden, weight, targets, adv, pred, cu, loss_type="bnpo")
+    loss, _ = rcgrpo_kernels.fused_linear_grpo_loss(hidden, weight, targets, adv, pred, cu, loss_type="bnpo")
     seq = packing.sequence_ids(torch.nonzero(pred).reshape(-1), cu)
     assert loss.item() == -adv[seq].mean().item()
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from kernels_testlib import FAST_IMPLS, IMPLS, SEQLENS, assert_close, leaf, old_ref_for, packed_problem, ready
 
-import kernels
+import rcgrpo_kernels
 
-LOSS_TYPES = tuple(kernels.LOSS_TYPES)  # every registered reduction
+LOSS_TYPES = tuple(rcgrpo_kernels.LOSS_TYPES)  # every registered reduction
 
 
 
 def _fused(impl, p, q, old, ref, **kw):
-    return kernels.fused_linear_grpo_loss(q["hidden"], q["weight"], p["targets"], p["advantages"], p["loss_mask"],
+    return rcgrpo_kernels.fused_linear_grpo_loss(q["hidden"], q["weight"], p["targets"], p["advantages"], p["loss_mask"],
                                           p["cu_seqlens"], old, ref, bias=q.get("bias"), impl=impl, **kw)
 
 
@@ -25,7 +25,7 @@ def _tis_weights(old, engine, cap):
 def _written_out_loss(p, old, ref, weights, beta, eps_low, eps_high, loss_type, max_tokens=None):
     """The objective spelt out token by token in Python floats (no kernel code)."""
     with torch.no_grad():
-        lp = kernels.fused_linear_logprobs(p["hidden"], p["weight"], p["targets"], impl="reference")
+        lp = rcgrpo_kernels.fused_linear_logprobs(p["hidden"], p["weight"], p["targets"], impl="reference")
     cu = p["cu_seqlens"].tolist()
     mask = p["loss_mask"].tolist()
     per_seq, total_tokens = [], 0
@@ -164,13 +164,13 @@ def test_grpo_loss_on_logprobs(impl, loss_type):
     p = packed_problem(seed=15)
     old, ref = old_ref_for(p)
     with torch.no_grad():
-        lp = kernels.fused_linear_logprobs(p["hidden"], p["weight"], p["targets"], impl="reference")
+        lp = rcgrpo_kernels.fused_linear_logprobs(p["hidden"], p["weight"], p["targets"], impl="reference")
     w = _tis_weights(old, old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(4)).to(old.device),
                      cap=2.0)
     args = lambda x: (x, old, ref, p["advantages"], p["loss_mask"], p["cu_seqlens"])  # noqa: E731
     a, b = leaf(lp), leaf(lp)
-    want, _ = kernels.grpo_loss(*args(a), beta=0.05, loss_type=loss_type, token_weights=w, impl="reference")
-    got, _ = kernels.grpo_loss(*args(b), beta=0.05, loss_type=loss_type, token_weights=w, impl=impl)
+    want, _ = rcgrpo_kernels.grpo_loss(*args(a), beta=0.05, loss_type=loss_type, token_weights=w, impl="reference")
+    got, _ = rcgrpo_kernels.grpo_loss(*args(b), beta=0.05, loss_type=loss_type, token_weights=w, impl=impl)
     assert_close(got, want, what="loss")
     want.backward()
     got.backward()
@@ -182,9 +182,9 @@ def test_grpo_loss_on_logprobs(impl, loss_type):
 def test_wrong_size_is_refused():
     p = packed_problem()
     with pytest.raises(ValueError, match="token_weights has 3 elements"):
-        kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"], p["loss_mask"],
+        rcgrpo_kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"], p["loss_mask"],
                                        p["cu_seqlens"], token_weights=torch.ones(3))
     n = sum(SEQLENS)
     with pytest.raises(ValueError, match="token_weights"):
-        kernels.grpo_loss(torch.zeros(n), None, None, p["advantages"], p["loss_mask"], p["cu_seqlens"],
+        rcgrpo_kernels.grpo_loss(torch.zeros(n), None, None, p["advantages"], p["loss_mask"], p["cu_seqlens"],
                           token_weights=torch.ones(n - 1))

@@ -261,14 +261,14 @@ def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_f
     # the clipped share pass 2 reported.
     _, after_one, _ = results[1]
     batch = pack(trajectories)
-    import kernels
+    import rcgrpo_kernels
     from rcgrpo.training.grpo import trainer_logprobs
-    adv = kernels.group_advantages(batch.rewards, batch.seq_group)
+    adv = rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group)
     old = trainer_logprobs(ctx, _fresh(tiny_folder), batch, 1.0)
     new = trainer_logprobs(ctx, after_one, batch, 1.0)
     m = batch.loss_mask
     ratio = torch.exp(new - old)[m]
-    a = adv[kernels.packing.sequence_ids(torch.nonzero(m).reshape(-1), batch.cu_seqlens)]
+    a = adv[rcgrpo_kernels.packing.sequence_ids(torch.nonzero(m).reshape(-1), batch.cu_seqlens)]
     clipped = ((ratio > 1.2) & (a > 0)) | ((ratio < 0.8) & (a < 0))
     assert two["clip_frac_pass2"] == pytest.approx(float(clipped.float().mean()), abs=1e-6)
     # Ratios moved both into and out of the clip range: the clip acts on some tokens only.

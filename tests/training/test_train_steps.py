@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
+import rcgrpo_kernels
 from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
 from rcgrpo.data.expert import expert_turns, play_script, script_from_turns
@@ -78,7 +78,7 @@ def test_fused_and_reference_losses_agree_on_a_real_batch(policy, real_group):
     trained = TrainablePolicy(policy.model, reference=policy.model)
     lm = trained.lm
     batch = pack(to_trajectories(real_group))
-    batch = dataclasses.replace(batch, advantages=kernels.group_advantages(batch.rewards, batch.seq_group))
+    batch = dataclasses.replace(batch, advantages=rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group))
     with torch.no_grad():
         hidden = lm.hidden_states(batch)
         ref = reference_logprobs(trained, batch, fused=True, temperature=1.0, hidden=hidden)

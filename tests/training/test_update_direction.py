@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 
-import kernels
+import rcgrpo_kernels
 from rcgrpo.batch import pack
 from rcgrpo.config import parse_args
 from rcgrpo.data.divergence import divergences
@@ -98,7 +98,7 @@ def logps(ctx, policy, batch) -> torch.Tensor:
 
 
 def per_sequence(values: torch.Tensor, batch) -> torch.Tensor:
-    seq = kernels.packing.sequence_ids(torch.arange(batch.num_tokens), batch.cu_seqlens)
+    seq = rcgrpo_kernels.packing.sequence_ids(torch.arange(batch.num_tokens), batch.cu_seqlens)
     return torch.zeros(batch.num_seqs, dtype=torch.float64).index_add_(0, seq, values)
 
 
@@ -150,7 +150,7 @@ def test_an_rl_update_moves_each_rollout_with_its_advantage(tmp_path, tokenizer,
         random_adapters(policy)
     trajectories = [dataclasses.replace(t, reward=1.0 - t.reward) if flipped else t for t in trajectories]
     batch = pack(trajectories)
-    advantages = kernels.group_advantages(batch.rewards, batch.seq_group)
+    advantages = rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group)
     assert int((advantages > 0).sum()) == (6 if flipped else 2) and bool((advantages < 0).any())
     before = logps(ctx, policy, batch)
     optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
@@ -163,7 +163,7 @@ def test_an_rl_update_moves_each_rollout_with_its_advantage(tmp_path, tokenizer,
     stats = rl_step(ctx, policy, optimizer, scheduler, trajectories, settings, update)
     assert stats["updates"] == epochs and stats["update_skipped"] == 0
     moved = per_sequence(logps(ctx, policy, batch) - before, batch)
-    lengths = kernels.packing.loss_token_counts(batch.loss_mask, batch.cu_seqlens).double()
+    lengths = rcgrpo_kernels.packing.loss_token_counts(batch.loss_mask, batch.cu_seqlens).double()
     assert float((advantages.double() * moved / lengths).sum()) > 0, (moved, advantages)
     experts = torch.tensor([t.meta.get("reward_token") == HIGH_REWARD for t in trajectories])
     own = ~experts & torch.tensor([s not in near_misses_at for s in range(batch.num_seqs)])

@@ -5,7 +5,7 @@ GRPO code can import it without rcgrpo. Each function runs one of three
 implementations, chosen by the tensors' device or forced with ``impl=``:
 "reference" (plain PyTorch, the oracle), "chunked" (PyTorch chunked over
 tokens, the CPU path) and "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
-The packed-batch conventions are documented in ``kernels.dispatch``.
+The packed-batch conventions are documented in ``rcgrpo_kernels.dispatch``.
 
 The names a loss is configured by each have one home, a registry every path
 reads: ``LOSS_TYPES`` (reductions, with verl's and TRL's names,

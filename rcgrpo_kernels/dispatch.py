@@ -2,7 +2,7 @@
 
 ``impl=None`` picks Triton for CUDA tensors and the chunked PyTorch path
 otherwise; ``impl="reference" | "chunked" | "triton"`` forces one. The
-Triton modules are imported only when used, so ``import kernels`` needs no
+Triton modules are imported only when used, so ``import rcgrpo_kernels`` needs no
 GPU, and ``TRITON_INTERPRET=1`` set before the first Triton call still takes
 effect.
 
@@ -232,10 +232,10 @@ def group_advantages(
         rewards: [S] fp32/bf16/fp16, one scalar reward per sequence.
         seq_group: [S] integer group id per sequence (any values).
         eps: added to the std (estimators that divide by it).
-        estimator: a name in ``kernels.ADVANTAGE_ESTIMATORS``: "grpo" (population
+        estimator: a name in ``rcgrpo_kernels.ADVANTAGE_ESTIMATORS``: "grpo" (population
             std, the paper), "grpo_ddof1" (sample std: verl, TRL), "dr_grpo"
             (centred only), "rloo" (leave-one-out); see
-            ``kernels/advantage_estimators.py``. "group" / "none" name grpo / dr_grpo.
+            ``rcgrpo_kernels/advantage_estimators.py``. "group" / "none" name grpo / dr_grpo.
         scale: deprecated spelling of ``estimator`` ("group" or "none").
         impl: None (auto), "reference", "chunked" or "triton".
 
@@ -283,7 +283,7 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped GRPO objective from per-token log-probs.
 
-    Per loss token (``kernels/objective.py``): ``r = exp(logp - old_logp)``,
+    Per loss token (``rcgrpo_kernels/objective.py``): ``r = exp(logp - old_logp)``,
     ``l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * KL``, with
     A the advantage of the token's sequence (found through ``cu_seqlens``)
     and KL the ``kl_estimator`` (default k3, ``exp(ref - logp) - (ref - logp) - 1``).
@@ -293,8 +293,8 @@ def grpo_loss(
     (``c * l``; the reduction's counts do not change): the hook for truncated
     importance sampling, ``c = min(exp(old_logp - sampler_logp), cap)``.
 
-    Reductions (``loss_type``, a name in ``kernels.LOSS_TYPES``; each is
-    defined once in ``kernels/loss_types.py``, with its verl and TRL names):
+    Reductions (``loss_type``, a name in ``rcgrpo_kernels.LOSS_TYPES``; each is
+    defined once in ``rcgrpo_kernels/loss_types.py``, with its verl and TRL names):
         grpo: mean over the loss tokens of each sequence, then mean over the
             sequences that have at least one loss token;
         bnpo, dapo: sum over loss tokens / number of loss tokens (the two are
@@ -323,13 +323,13 @@ def grpo_loss(
         cu_seqlens: [S+1] int32/int64, from 0 to N, never decreasing.
         eps_low, eps_high: clip range of the ratio (>= 0).
         beta: weight of the KL penalty (>= 0).
-        loss_type: a name in ``kernels.LOSS_TYPES``.
+        loss_type: a name in ``rcgrpo_kernels.LOSS_TYPES``.
         max_tokens: the constant of the types scaled by a token budget.
         token_weights: None, [N] or [M] per-token loss weights (a constant: no
             gradient flows to it; values off the loss tokens are ignored).
         clip_ratio_c: dual-clip bound (> 1; verl's default is 3.0); None = off.
-        kl_estimator: a name in ``kernels.KL_ESTIMATORS`` (k3, k1, k2, abs,
-            k1+, abs+, k3+; ``kernels/kl_estimators.py``).
+        kl_estimator: a name in ``rcgrpo_kernels.KL_ESTIMATORS`` (k3, k1, k2, abs,
+            k1+, abs+, k3+; ``rcgrpo_kernels/kl_estimators.py``).
         log_ratio_clamp: clamp logp - old and logp - ref to [-c, c] (verl: 20);
             None = off (TRL's behaviour).
         kl_clamp: clamp the KL value to [-c, c] (verl: 10 for k3); None = off.

@@ -1,5 +1,5 @@
 """Group-relative advantages, k (R - mean_g) / d, in one launch (the
-estimators and their k and d: ``kernels/advantage_estimators.py``).
+estimators and their k and d: ``rcgrpo_kernels/advantage_estimators.py``).
 
 One program per sequence scans all S rewards for the members of its group
 (masked, BLOCK at a time). That is O(S^2 / BLOCK) loads, which for the

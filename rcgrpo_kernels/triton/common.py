@@ -124,7 +124,7 @@ def sequence_of(cu_ptr, pos, num_seqs, N_ITERS: tl.constexpr):
 
 @triton.jit
 def kl_base(x, base):
-    """The KL base formula ``base`` (an index into ``kernels.kl_estimators.BASES``:
+    """The KL base formula ``base`` (an index into ``rcgrpo_kernels.kl_estimators.BASES``:
     k1, abs, k2, k3) at x = logp - ref. Selected by where: no branch per variant."""
     return tl.where(base == 0, x, tl.where(base == 1, tl.abs(x), tl.where(base == 2, 0.5 * x * x,
                                                                           tl.exp(-x) + x - 1.0)))
@@ -142,7 +142,7 @@ def grpo_token(logp, old, ref, adv, eps_low, eps_high, beta, clip_c, lr_clamp, s
                kl_grad, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, DUAL_CLIP: tl.constexpr):
     """Per-token clipped objective and its derivative w.r.t. logp (fp32).
 
-    Mirrors ``kernels.objective.token_terms`` (the scalars are
+    Mirrors ``rcgrpo_kernels.objective.token_terms`` (the scalars are
     ``Objective.triton_args``; an unset clamp is +inf): the policy-gradient
     part has derivative 0 exactly where the clipped branch of the min (or the
     dual clip) is active. min/max/clamp propagate NaN, so a NaN input on a

@@ -130,7 +130,7 @@ def kl_terms(logp: torch.Tensor, ref: torch.Tensor, estimator: str, log_ratio_cl
              kl_clamp: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token (value, d value / d logp, statistic) of ``estimator``, fp32.
 
-    The chunked path's analytic form; ``kernels.triton.common.kl_token``
+    The chunked path's analytic form; ``rcgrpo_kernels.triton.common.kl_token``
     mirrors it and the reference differentiates ``reference_kl`` instead."""
     est = get_kl_estimator(estimator)
     x, through = clamp_through(logp - ref, log_ratio_clamp)

@@ -7,7 +7,7 @@
 - ``loss``: the clipped GRPO objective over per-token log-probs
 - ``fused_linear_grpo_loss``: all of the above in one pass over the loss tokens
 
-Imported lazily by ``kernels.dispatch`` so that ``import kernels`` needs
+Imported lazily by ``rcgrpo_kernels.dispatch`` so that ``import rcgrpo_kernels`` needs
 neither a GPU nor Triton. To run these kernels on CPU tensors set
 ``TRITON_INTERPRET=1`` before the first kernel module is imported.
 """

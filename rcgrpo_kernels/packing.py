@@ -3,7 +3,7 @@
 The reference path deliberately does not use these: it recomputes the same
 quantities the slow, obvious way so that it stays an independent oracle.
 
-Packed-batch conventions (see ``kernels/__init__.py`` for the full contract):
+Packed-batch conventions (see ``rcgrpo_kernels/__init__.py`` for the full contract):
 ``cu_seqlens [S+1]`` holds sequence boundaries; token ``i`` belongs to
 sequence ``s`` when ``cu_seqlens[s] <= i < cu_seqlens[s+1]``.
 """

@@ -1,6 +1,6 @@
 """The per-token clipped objective: its settings, checked once, and its
 analytic value and derivative (the chunked path's; the Triton kernels mirror
-it in ``kernels.triton.common.grpo_token``, the reference differentiates its
+it in ``rcgrpo_kernels.triton.common.grpo_token``, the reference differentiates its
 own formulation with autograd).
 
 Per loss token, with ``x = logp - old`` (clamped to [-c, c] when
@@ -8,7 +8,7 @@ Per loss token, with ``x = logp - old`` (clamped to [-c, c] when
 
     pg = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
     pg = min(pg, -clip_ratio_c A)   where A < 0, when dual-clip is on (verl)
-    l  = pg + beta * KL             KL: a ``kernels.KL_ESTIMATORS`` estimator
+    l  = pg + beta * KL             KL: a ``rcgrpo_kernels.KL_ESTIMATORS`` estimator
 
 NaN is never hidden: a NaN log-prob, old/ref log-prob, advantage or token
 weight on a loss token makes that token's loss and derivative NaN (the
@@ -48,7 +48,7 @@ class Objective:
     eps_low, eps_high: the clip range of the ratio, [1 - eps_low, 1 + eps_high].
     beta: the KL coefficient. clip_ratio_c: dual-clip PPO's bound on the ratio
     of negative-advantage tokens (> 1; verl's default 3.0); None = off.
-    kl_estimator: a name in ``kernels.KL_ESTIMATORS``. log_ratio_clamp: clamp
+    kl_estimator: a name in ``rcgrpo_kernels.KL_ESTIMATORS``. log_ratio_clamp: clamp
     of logp - old and logp - ref before use (verl: 20); None = off. kl_clamp:
     clamp of the KL value (verl: 10 for k3); None = off.
     """
@@ -87,7 +87,7 @@ class Objective:
                 + (["entropy"] if entropy else []))
 
     def triton_args(self) -> dict:
-        """The runtime scalars of ``kernels.triton.common.grpo_token`` (an
+        """The runtime scalars of ``rcgrpo_kernels.triton.common.grpo_token`` (an
         unset bound is +inf, which clamps nothing)."""
         est = kl_estimators.get_kl_estimator(self.kl_estimator)
         inf = float("inf")

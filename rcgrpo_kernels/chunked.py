@@ -216,7 +216,7 @@ def group_advantages(rewards, seq_group, eps=1e-6, estimator="grpo"):
 
 
 # --------------------------------------------------------------------------
-# The clipped objective (kernels/objective.py holds its per-token terms)
+# The clipped objective (rcgrpo_kernels/objective.py holds its per-token terms)
 # --------------------------------------------------------------------------
 def _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens, token_weights, n):
     """Loss positions, each one's advantage and its weight in the reduced loss:

@@ -14,7 +14,7 @@ a per-sequence denominator ``d`` built from three facts a ``LossType`` states:
   (Dr. GRPO: ``max_tokens``, by default the longest sequence's count).
 
 The chunked and Triton paths need only ``sequence_weights`` (``1 / d`` per
-sequence), so a registered type runs on every path; ``kernels.reference``
+sequence), so a registered type runs on every path; ``rcgrpo_kernels.reference``
 reduces with a loop over sequences from the same three facts.
 
 The built-in types and what peers call them (l_i the per-token loss, n_s
