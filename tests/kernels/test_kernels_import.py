@@ -3,9 +3,12 @@ and it is never mistaken for the Hugging Face ``kernels`` hub package."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,3 +78,31 @@ def test_first_name_gives_the_same_modules_not_copies():
     assert res["same"] == [True] * 6
     assert not res["triton_before"]
     assert res["file"].endswith("rcgrpo_kernels/__init__.py")
+
+
+@pytest.mark.slow  # pip builds the distribution (~5 s)
+def test_the_kernels_install_alone(tmp_path):
+    """`pip install ./rcgrpo_kernels` is the kernels and the TRL drop-in, needing
+    torch only (Triton and TRL are extras), importable without the repository."""
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "rcgrpo_kernels", source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                          "--target", str(target), str(source)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (dist_info,) = target.glob("rcgrpo_kernels-*.dist-info")
+    requires = [line.split(":", 1)[1].strip() for line in (dist_info / "METADATA").read_text().splitlines()
+                if line.startswith("Requires-Dist:")]
+    assert [r for r in requires if "extra ==" not in r] == ["torch>=2.6"]
+    assert {p.name for p in target.iterdir()} == {"rcgrpo_kernels", dist_info.name}  # nothing of the trainer
+    env = dict(os.environ, PYTHONPATH=str(target), CUDA_VISIBLE_DEVICES="")
+    code = ("import json, importlib.util, torch, rcgrpo_kernels\n"
+            "lp = rcgrpo_kernels.token_logprobs(torch.zeros(2, 5), torch.tensor([0, 4]))\n"
+            "print(json.dumps({'file': rcgrpo_kernels.__file__, 'lp': lp.tolist(),\n"
+            "  'trl_grpo': importlib.util.find_spec('rcgrpo_kernels.trl_grpo').origin}))\n")
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["file"] == str(target / "rcgrpo_kernels" / "__init__.py")
+    assert got["trl_grpo"] == str(target / "rcgrpo_kernels" / "trl_grpo.py")
+    assert abs(got["lp"][0] + 1.6094379) < 1e-5
