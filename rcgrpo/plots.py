@@ -288,7 +288,10 @@ def _figure(records: list[dict], panels: tuple[Panel, ...], title: str, spans=No
 
 
 def dashboard_figure(records: list[dict], run_name: str = ""):
-    """Is RL working: DASHBOARD's panels that the run logged."""
+    """Is RL working: DASHBOARD's panels that the run logged; None for a run
+    without RL (its fine-tuning stage's figure has the steer)."""
+    if not any(_has_data(records, p) for p in DASHBOARD if p is not STEER):
+        return None
     return _figure(records, DASHBOARD, f"Is RL working? {run_name}".strip())
 
 

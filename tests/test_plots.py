@@ -69,9 +69,10 @@ def test_the_dashboard_holds_what_tells_whether_rl_works():
     assert panel(fig, "policy entropy").get_xlabel() == "rc-grpo step"
     # The sampled reward's 95% interval is shaded, one band per token.
     assert len(panel(fig, DASHBOARD[1].title).collections) == 2
-    # A run without RL or RCTP has no dashboard: nothing in it would be drawn.
-    sft = [{"stage": "sft", "step": s, "loss": 1.0 / s, "grad_norm": 1.0} for s in (1, 2)]
-    assert dashboard_figure(sft) is None and list(run_figures(sft)) == ["sft"]
+    # A run without RL has no dashboard; RCTP's steer is in its stage's figure.
+    rctp = [r for r in two_stage_run() if r["stage"] == "rctp"]
+    assert dashboard_figure(rctp) is None and list(run_figures(rctp)) == ["rctp", "speed"]
+    assert "RCTP: steer at the first divergent token" in [ax.get_title() for ax in run_figures(rctp)["rctp"].axes]
 
 
 def test_a_log_axis_where_values_span_two_decades():
