@@ -262,7 +262,9 @@ def _draw(ax, records: list[dict], panel: Panel, spans: dict[str, tuple[int, int
             ax.text(mid, 1.0, name, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=8,
                     color="0.3")
     ax.grid(alpha=0.3)
-    if len(drawn) > 1 or noted:  # one series without a note: the title says what it is
+    # A panel of one series says what it is in its title; a panel of several
+    # names the one drawn even when the others were not logged.
+    if len(panel.series) > 1 or noted:
         ax.legend(fontsize=7)
 
 

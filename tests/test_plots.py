@@ -72,7 +72,11 @@ def test_the_dashboard_holds_what_tells_whether_rl_works():
     # A run without RL has no dashboard; RCTP's steer is in its stage's figure.
     rctp = [r for r in two_stage_run() if r["stage"] == "rctp"]
     assert dashboard_figure(rctp) is None and list(run_figures(rctp)) == ["rctp", "speed"]
-    assert "RCTP: steer at the first divergent token" in [ax.get_title() for ax in run_figures(rctp)["rctp"].axes]
+    figures = run_figures(rctp)
+    assert "RCTP: steer at the first divergent token" in [ax.get_title() for ax in figures["rctp"].axes]
+    # Of a panel's series only one was logged (no rollouts in RCTP): the legend says which.
+    assert legend_texts(panel(figures["speed"], "time per step")) == ["update"]
+    assert panel(figures["rctp"], "gradient norm").get_legend() is None  # one series: the title says it
 
 
 def test_a_log_axis_where_values_span_two_decades():
