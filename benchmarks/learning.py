@@ -625,8 +625,10 @@ def plot(results: dict, path: Path) -> None:
         st = a["steps"]
         line, = ax.plot([x["step"] for x in st], [max(x.get("kl", 0.0), 1e-8) for x in st], marker=".",
                         label=f"{arm}: KL")
-        ax.plot([x["step"] for x in st], [max(x.get("clip_frac", 0.0), 1e-8) for x in st], linestyle=":",
-                color=line.get_color(), label=f"{arm}: clip fraction")
+        clip = [x.get("clip_frac", 0.0) for x in st]
+        # Every arm's all-zero clip fraction lies on the same 1e-8 line: the legend says so.
+        ax.plot([x["step"] for x in st], [max(c, 1e-8) for c in clip], linestyle=":", color=line.get_color(),
+                label=f"{arm}: clip fraction" + ("" if any(clip) else " (all zero)"))
     ax.set(title="KL to the reference (k3, per token) and clip fraction", xlabel="RL step",
            ylabel="nats per token / share of tokens (log; 0 drawn at 1e-8)", yscale="log")
     ax.legend(fontsize=7)

@@ -41,8 +41,8 @@ __all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_record
 METRICS_FILE = "metrics.jsonl"
 DROPPED_FILE = "metrics.dropped.jsonl"
 
-# Names the report knows (name -> what it is). Any other numeric key is logged
-# and plotted in the overview too.
+# Names the report knows (name -> what it is); rcgrpo.plots draws them by name.
+# Any other numeric key is logged and listed in report.md's per-stage summary.
 STANDARD_METRICS = {
     "reward_mean": "mean reward over all rollouts of the step",
     "reward_mean_high": f"mean reward of rollouts conditioned on {HIGH_REWARD}",

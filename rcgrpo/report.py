@@ -1,18 +1,11 @@
 """`python -m rcgrpo.report RUN_DIR`: metrics.jsonl -> PNG plots + report.md.
 
-Reads ``RUN_DIR/metrics.jsonl`` (written by ``rcgrpo.metrics``), draws
-
-* ``reward.png``          mean reward of each step's rollouts, overall and per reward token,
-* ``sampled_reward.png``  the learning curve: sampled reward on fixed training prompts (95% interval),
-* ``steer.png``, ``p_expert.png``  RCTP: the reward token's effect at the first divergent token,
-* ``zero_var_frac.png``   fraction of groups with zero reward variance,
-* ``entropy.png``, ``kl.png``, and the other figures of ``FIGURES``,
-* ``overview.png``        a grid of every numeric metric,
-
-each against the step, one line per stage that logged it; and writes
-``RUN_DIR/report.md`` with what the run learnt (``learning_summary``), a
-per-stage summary, the plots, and the evaluation table when
-``RUN_DIR/eval.json`` exists.
+Reads ``RUN_DIR/metrics.jsonl`` (written by ``rcgrpo.metrics``), saves the
+figures of ``rcgrpo.plots`` (``dashboard.png``: is RL working; one PNG per
+stage: what its updates did; ``speed.png``) and writes ``RUN_DIR/report.md``
+with what the run learnt (``learning_summary``), the plots, a per-stage
+summary of every metric, and the evaluation table when ``RUN_DIR/eval.json``
+exists.
 
 ``eval.json``: ``{"categories": {"base": acc, ...}, "overall": acc, "macro": acc,
 "n": {...}}`` with accuracies as fractions in [0, 1] (a file whose values
@@ -43,40 +36,10 @@ __all__ = ["write_report", "plot_metrics", "eval_table_markdown", "learning_summ
 
 EVAL_FILE = "eval.json"
 REPORT_FILE = "report.md"
-# One figure per headline quantity: its title, the unit on its y axis, and
-# the series that share the axis.
-FIGURES = {
-    "reward": ("mean reward", "reward per rollout (0 or 1)", ["reward_mean", "reward_mean_high", "reward_mean_low"]),
-    # The learning curve: one fixed sample of training prompts, 95% interval shaded.
-    "sampled_reward": ("sampled reward on fixed training prompts (95% interval)", "share of rollouts with reward 1",
-                       ["sampled_reward_high", "sampled_reward_low", "sampled_reward_none"]),
-    "steer": ("RCTP: steer at the first divergent token", "nats", ["steer", "steer_logodds"]),
-    "p_expert": ("RCTP: p(expert's token) at the first divergent token", "probability",
-                 ["p_expert_high", "p_expert_low"]),
-    "zero_var_frac": ("fraction of zero-variance groups", "share of the step's groups", ["zero_var_frac"]),
-    "entropy": ("policy entropy", "nats per generated token", ["entropy"]),
-    "kl": ("KL to reference", "nats per generated token (k3)", ["kl"]),
-    # Rollout-trainer agreement: how far the engine's sampling log-probs are
-    # from the trainer's pre-update ones over the sampled tokens.
-    "logp_agreement": ("engine vs trainer log-probs", "nats",
-                       ["logp_diff_abs_mean", "seq_log_ratio_mean", "seq_log_ratio_abs_max"]),
-    "logp_agreement_share": ("share of tokens with |engine - trainer| > 0.1", "share of sampled tokens",
-                             ["logp_diff_over_0.1_frac"]),
-    "clip_frac": ("clipped share of tokens", "share of loss tokens", ["clip_frac", "clip_frac_pass1",
-                                                                      "clip_frac_pass2"]),
-    "dynamic_sampling": ("dynamic sampling per step", "count",
-                         ["ds_prompts_drawn", "ds_groups_kept", "ds_groups_dropped"]),
-}
-SERIES_LABEL = {"reward_mean": "all rollouts", "reward_mean_high": HIGH_REWARD, "reward_mean_low": LOW_REWARD,
-                "sampled_reward_high": HIGH_REWARD, "sampled_reward_low": LOW_REWARD,
-                "sampled_reward_none": "no token", "steer": "log-prob difference", "steer_logodds": "log-odds",
-                "p_expert_high": HIGH_REWARD, "p_expert_low": LOW_REWARD,
-                "logp_diff_abs_mean": "mean |difference| per token",
-                "seq_log_ratio_mean": "mean log-ratio per sequence",
-                "seq_log_ratio_abs_max": "max |log-ratio| per sequence",
-                "clip_frac": "all updates", "clip_frac_pass1": "pass 1", "clip_frac_pass2": "pass 2",
-                "ds_prompts_drawn": "prompts drawn", "ds_groups_kept": "groups kept",
-                "ds_groups_dropped": "groups dropped"}
+# PNG names earlier versions of the report wrote, one per metric or a grid of
+# all of them; a redraw removes them, so a run folder shows only today's set.
+FORMER_FIGURES = ("reward", "sampled_reward", "steer", "p_expert", "zero_var_frac", "entropy", "kl",
+                  "logp_agreement", "logp_agreement_share", "clip_frac", "dynamic_sampling", "overview")
 METHOD_NAMES = {"rctp+rc-grpo": "RCTP + RC-GRPO", "rctp+grpo": "RCTP + GRPO", "sft+grpo": "SFT + GRPO",
                 "sft+rc-grpo": "SFT + RC-GRPO", "sft+grpo-ds": "SFT + GRPO (dynamic sampling)"}
 
@@ -93,18 +56,6 @@ def _finite(v) -> bool:
     return _numeric(v) and math.isfinite(v)
 
 
-def _series(records: list[dict], key: str) -> dict[Optional[str], tuple[list[int], list[float]]]:
-    """stage -> (steps, values) for one metric, in file order; NaN kept (gaps)."""
-    out: dict = {}
-    for r in records:
-        v = r.get(key)
-        if _numeric(v):
-            xs, ys = out.setdefault(r.get("stage"), ([], []))
-            xs.append(r["step"])
-            ys.append(float(v))
-    return out
-
-
 def _numeric_keys(records: list[dict]) -> list[str]:
     seen: dict[str, None] = {}
     for r in records:
@@ -115,69 +66,19 @@ def _numeric_keys(records: list[dict]) -> list[str]:
     return known + sorted(k for k in seen if k not in STANDARD_METRICS)
 
 
-def plot_metrics(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
-    """Write the PNGs for whichever figures have data; return their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers; must precede pyplot
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+def plot_metrics(records: list[dict], out_dir: str | os.PathLike, run_name: str = "") -> list[Path]:
+    """Save ``rcgrpo.plots.run_figures`` as ``<name>.png`` in ``out_dir``
+    (and remove the former set's PNGs); return the paths written."""
+    from rcgrpo.plots import run_figures
 
     out_dir = Path(out_dir)
+    for name in FORMER_FIGURES:
+        (out_dir / f"{name}.png").unlink(missing_ok=True)
     written = []
-
-    def draw(ax, key: str, series_label: str = "") -> bool:
-        series = _series(records, key)
-        for stage, (xs, ys) in series.items():
-            parts = [series_label] if series_label else []
-            if len(series) > 1 or not parts:
-                parts.append(stage or "run")
-            line, = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=" / ".join(parts))
-            band = [_series(records, f"{key}_{end}").get(stage) for end in ("lo", "hi")]
-            if all(band) and band[0][0] == band[1][0]:  # an interval logged with the value: shade it
-                ax.fill_between(band[0][0], band[0][1], band[1][1], color=line.get_color(), alpha=0.2)
-        return bool(series)
-
-    for name, (title, unit, keys) in FIGURES.items():
-        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
-        drew = False
-        for key in keys:
-            drew |= draw(ax, key, SERIES_LABEL.get(key, "") if len(keys) > 1 else "")
-        if drew:
-            ax.set_title(title)
-            ax.set_xlabel("step")
-            ax.set_ylabel(unit)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-            ax.grid(alpha=0.3)
-            if name in ("reward", "zero_var_frac", "sampled_reward", "p_expert"):
-                ax.set_ylim(-0.05, 1.05)  # both live in [0, 1]: keep runs comparable
-            ax.legend(fontsize=8)
-            fig.tight_layout()
-            path = out_dir / f"{name}.png"
-            fig.savefig(path)
-            written.append(path)
-        plt.close(fig)
-
-    keys = _numeric_keys(records)
-    if keys:
-        cols = min(3, len(keys))
-        rows = math.ceil(len(keys) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), dpi=100, squeeze=False)
-        for ax, key in zip(axes.flat, keys):
-            draw(ax, key)
-            stages = list(_series(records, key))
-            ax.set_title(key if len(stages) != 1 else f"{key} ({stages[0] or 'run'})", fontsize=9)
-            ax.tick_params(labelsize=7)
-            ax.grid(alpha=0.3)
-            if len(_series(records, key)) > 1:
-                ax.legend(fontsize=6)
-        for ax in list(axes.flat)[len(keys):]:
-            ax.axis("off")
-        fig.tight_layout()
-        path = out_dir / "overview.png"
+    for name, fig in run_figures(records, run_name).items():
+        path = out_dir / f"{name}.png"
         fig.savefig(path)
         written.append(path)
-        plt.close(fig)
     return written
 
 
@@ -296,7 +197,7 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     if not records:
         raise ReportError(f"{run_dir / METRICS_FILE} has no metric records")
     method = _run_method(run_dir)
-    plots = plot_metrics(records, run_dir)
+    plots = plot_metrics(records, run_dir, run_dir.name)
 
     md = [f"# Run report: {run_dir.name}", "", f"Method: {method}.", ""]
     if problems:
