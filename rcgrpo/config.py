@@ -309,6 +309,10 @@ class RunConfig:
         resume_safe=True, gt=0,
     )
     tensorboard: bool = _f(True, "also write TensorBoard scalars when it is installed", resume_safe=True)
+    push_to_hub: Optional[str] = _f(
+        None, "upload each trained stage's export (model + tokenizer; LoRA: adapter/ too) to this Hub repo, "
+        "owner/name, one commit per stage (token: HF_TOKEN or `hf auth login`, checked before training); "
+        "none = off", resume_safe=True)
     accept_changes: Optional[list[str]] = _f(
         None, "--resume: settings whose change from the saved run is accepted anyway (recorded in the run's "
         "config_changes.jsonl); e.g. grpo.lr,grpo.steps", resume_safe=True,

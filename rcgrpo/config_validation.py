@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rcgrpo.config import DYNAMIC_SAMPLING_PIPELINES, EMBEDDED_MODEL, PIPELINES, Config, ConfigError, all_keys, leaves
+from rcgrpo.hub import is_hub_id
 
 _SIGNS = {"[": ">=", "(": ">", "]": "<=", ")": "<"}
 
@@ -125,6 +126,9 @@ def _run_rules(cfg: Config) -> Iterator[str]:
     unknown = [k for k in cfg.run.accept_changes or [] if k not in all_keys(cfg)]
     if unknown:
         yield f"run.accept_changes: {unknown} are not settings"
+    repo = cfg.run.push_to_hub
+    if repo is not None and not (is_hub_id(repo) and "@" not in repo):
+        yield f"run.push_to_hub must be a Hub repo id owner/name, got {repo!r}"
 
 
 def _world_rules(cfg: Config) -> Iterator[str]:
@@ -152,8 +156,7 @@ def _missing_files(cfg: Config) -> Iterator[str]:
             yield f"model.name_or_path: unknown embedded model {src!r}; the only one is {EMBEDDED_MODEL!r}"
     else:
         local = Path(src).expanduser()
-        # Same rule as rcgrpo.models: a hub id is exactly "owner/name".
-        looks_local = src.startswith((".", "/", "~")) or src.count("/") != 1
+        looks_local = not is_hub_id(src)  # the rule rcgrpo.models follows
         if local.exists():
             if not local.is_dir():
                 yield f"model.name_or_path: {src} is not a folder"

@@ -5,7 +5,8 @@ is the only caller; it decides when a policy is a LoRA one.
 
 * `wrap`: the policy gets adapters and the two reward-token rows of its input
   embedding become trainable (peft's `trainable_token_indices`; a tied LM head
-  follows them); everything else is frozen. Trainable tensors are fp32.
+  follows them, an untied head's rows are held in the adapter frozen);
+  everything else is frozen. Trainable tensors are fp32.
 * `adapters_off`: the frozen KL reference of a LoRA run is the same model with
   its adapters (and trained token rows) switched off, so a 7B run holds one
   copy of the base weights.
@@ -70,13 +71,26 @@ def wrap(model, lora_cfg, token_ids: Sequence[int] = (), gradient_checkpointing:
     peft = _peft()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    # Without the input rows, a reward token's row is frozen at its initial
+    # value under LoRA and the policy can never learn to tell the tokens apart.
+    indices, frozen_head = list(token_ids) or None, None
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if token_ids and head is not None and head.weight.data_ptr() != embedding.weight.data_ptr():
+        # An untied head's reward rows (phrase means, rcgrpo.models) go into
+        # the adapter too, frozen: on another machine the base gets those rows
+        # from a resize (random) or from its spare rows, and the adapter must
+        # carry every value it was trained with (rcgrpo.sharing).
+        names = {id(m): n for n, m in model.named_modules()}
+        indices = {names[id(embedding)]: list(token_ids), names[id(head)]: list(token_ids)}
+        frozen_head = f"{_PEFT_PREFIX}{names[id(head)]}.token_adapter."
     wrapped = peft.get_peft_model(model, peft.LoraConfig(
         r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
         target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM",
-        # Without this, a reward token's row is frozen at its initial value
-        # under LoRA and the policy can never learn to tell the tokens apart.
-        trainable_token_indices=list(token_ids) or None,
+        trainable_token_indices=indices,
     ))
+    for name, p in wrapped.named_parameters():
+        if frozen_head and name.startswith(frozen_head):
+            p.requires_grad_(False)
     if getattr(model, "is_gradient_checkpointing", False) and not getattr(model, "_require_grads_hooks", None):
         # The frozen embedding's output needs no grad; a (reentrant) checkpointed
         # block fed such an input returns outputs without grad and the adapters

@@ -87,6 +87,10 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
   engine (eval also loads the fp32 policy on the host to hand its weights over).
 * Safety margin on the peak: 1 GiB + 5% (CUDA context, allocator
   fragmentation; on CPU the interpreter and libraries).
+* Disk (`check_disk`): a file the run must write before it can start, the
+  token-extended copy of a model without the reward tokens (rcgrpo.models:
+  as large as the model's safetensors, + 5%), is refused when its disk has
+  less free space, before it is written.
 * On CUDA each rank has its own device: the per-rank need is compared with the
   device's total memory. On CPU the ranks of a node share the host: the
   per-rank need x the local world size is compared with the host's memory.
@@ -104,7 +108,7 @@ from rcgrpo import json_input
 from rcgrpo.errors import UserError
 from rcgrpo.stages import ENGINE_STAGES, FINETUNE_STAGES, RL_STAGES
 
-__all__ = ["ModelShape", "ModelShapeError", "MemoryPlan", "MemoryPlanError", "plan_stage", "check_stage",
+__all__ = ["ModelShape", "ModelShapeError", "MemoryPlan", "MemoryPlanError", "plan_stage", "check_stage", "check_disk",
            "device_memory_bytes"]
 
 GiB = 1 << 30
@@ -801,3 +805,28 @@ def device_memory_bytes(device) -> int:
             total = int(raw)
         break
     return total
+
+
+# ------------------------------------------------------------------ disk
+
+
+class DiskPlanError(UserError, OSError):
+    """A file the run must write would not fit its disk."""
+
+
+DISK_MARGIN_FRACTION = 0.05  # filesystem overhead, a tokenizer and configs beside the weights
+
+
+def check_disk(folder: Union[str, os.PathLike], need_bytes: int, what: str, way_out: str) -> None:
+    """Refuse, before writing it, `what` (need_bytes, + 5%) when the disk
+    holding `folder` (or its nearest existing parent) has less free space."""
+    import shutil
+
+    where = Path(folder).expanduser().absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    need = int(need_bytes * (1 + DISK_MARGIN_FRACTION))
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise DiskPlanError(f"disk plan: {what} needs ~{_gib(need)} GiB in {folder}, the disk has "
+                            f"{_gib(free)} GiB free; {way_out}")

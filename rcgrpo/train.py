@@ -131,6 +131,10 @@ def prepare(cfg: Config) -> Prepared:
         raise in_use(cfg.run_dir, holder)
     if cfg.run.resume:
         check_resume(cfg, write=False)  # recorded once the folder is held (_run_stages)
+    if cfg.run.push_to_hub and distributed.is_main():
+        from rcgrpo.hub import check_push
+
+        check_push(cfg.run.push_to_hub)  # a token and the repo, before hours of training
     device = pick_device(cfg.run.device)
     shape = model_shape(cfg.model.name_or_path)
     if shape is not None:
@@ -172,6 +176,28 @@ def model_shape(name_or_path: str, resolved: Path | None = None):
         return ModelShape.from_config(AutoConfig.from_pretrained(name_or_path).to_dict())
     except Exception:  # offline, private, or not a transformers model: resolving will say which
         return None
+
+
+PUSHED = "{stage}.pushed"  # in the run's stages/ folder: the commit a stage's export was pushed as
+
+
+def push_finished_stage(cfg: Config, ctx, stage: str) -> None:
+    """Upload a finished stage's export to `run.push_to_hub` once (rank 0),
+    recording the commit, so that a --resume after a failed push pushes it
+    then and a pushed stage is not pushed again."""
+    if not cfg.run.push_to_hub or not distributed.is_main():
+        return
+    from rcgrpo.atomic import atomic_write_text
+    from rcgrpo.hub import push_stage
+    from rcgrpo.metrics import log_line
+
+    marker = ctx.run_dir / "stages" / PUSHED.format(stage=stage)
+    repo = cfg.run.push_to_hub
+    if marker.is_file() and marker.read_text().split()[:1] == [repo]:
+        return  # pushed to this repo already
+    commit = push_stage(repo, ctx.stage_model_dir(stage), stage, cfg.run.name)
+    atomic_write_text(marker, f"{repo} {commit}\n")
+    log_line(f"[{stage}] pushed to the Hub: {repo} (this stage: {repo}@{commit})")
 
 
 def rctp_data_needs_engine(cfg: Config) -> bool:
@@ -327,6 +353,7 @@ def _run_stages(cfg: Config, prepared: Prepared) -> int:
             log_line(f"[{stage}] already done, skipped")
             if stage != "rctp-data":
                 current = ctx.stage_model_dir(stage)
+                push_finished_stage(cfg, ctx, stage)  # a push that failed before, or one asked for now
             continue
         if stage == "rctp-data":
             if cfg.rctp.data_file:
@@ -358,8 +385,9 @@ def _run_stages(cfg: Config, prepared: Prepared) -> int:
             policy = TrainablePolicy.load(current, cfg.model, device, reference=False, token_ids=token_ids)
             finetune(ctx, stage, policy, trajectories, cfg.rctp if stage == "rctp" else cfg.sft,
                      steer_pairs=pairs, steer_every=cfg.rctp.steer_every)
-            current = ctx.export_model(stage, policy)
+            current = ctx.export_model(stage, policy, start=current)
             ctx.mark_done(stage, {"trajectories": len(trajectories)})
+            push_finished_stage(cfg, ctx, stage)
             produced.append(str(current))
             del policy
         elif stage in RL_STAGES:
@@ -369,8 +397,9 @@ def _run_stages(cfg: Config, prepared: Prepared) -> int:
                                           token_ids=token_ids)
             train_rl(ctx, stage, policy, live, entries, finetune_stage=cfg.finetune_stage)
             engine.holds = None  # the last update's weights were never pushed
-            current = ctx.export_model(stage, policy)
+            current = ctx.export_model(stage, policy, start=current)
             ctx.mark_done(stage, {"steps": cfg.grpo.steps})
+            push_finished_stage(cfg, ctx, stage)
             produced.append(str(current))
             del policy
         elif stage == "eval":

@@ -8,7 +8,8 @@
   --ground-truth                         replay every ground truth and print
       per-category and overall accuracy.
   --model PATH                           evaluate a policy (a run's models/<stage>
-      folder, any HF folder, or "embedded:smollm2-135m-instruct"): one greedy
+      folder, any HF folder, a hub id owner/name[@revision] such as a stage
+      pushed with run.push_to_hub, or "embedded:smollm2-135m-instruct"): one greedy
       rollout per entry of the test split (or --split train, --subset N per
       category); prints the table and writes eval.json / eval.md into --out
       (default: runs/eval/<model name>).
@@ -20,9 +21,9 @@ Settings of --model (flags given explicitly always win):
       is the run's eval.conditioning when the stage's policy was trained with
       reward tokens (rctp, rc-grpo, and grpo after rctp), else none (sft, and
       grpo after sft).
-  any other model: 512 / 8192 / compact, and --conditioning high for a local
-      folder whose tokenizer already has <|high_reward|>, none for the embedded
-      model, a hub id or a folder without the tokens (they never saw them).
+  any other model: 512 / 8192 / compact, and --conditioning high for a folder
+      or hub id whose tokenizer already has <|high_reward|>, none for the
+      embedded model or a model without the tokens (they never saw them).
   One line says where the settings came from; eval.json records them under
   "settings". A run config that cannot be read is an error (exit 2).
 """
@@ -44,6 +45,10 @@ from rcgrpo.rollout import ENGINES
 def evaluate_model(args) -> int:
     """--model: greedy rollouts of the policy on the chosen split, official verdicts."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from rcgrpo import hub
+
+    if not Path(args.model).expanduser().exists() and hub.is_hub_id(args.model):
+        hub.download(args.model)  # first: the settings read its tokenizer from the cache
     settings = resolve_eval_settings(args.model, args)
     print(settings.describe(), flush=True)
     from rcgrpo.evaluation.rollouts import evaluate, named_entries, select_entries, write_eval

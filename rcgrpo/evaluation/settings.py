@@ -91,9 +91,16 @@ def _has_own_reward_tokens(model: str) -> tuple[bool, str]:
 
     if str(model) == EMBEDDED:
         return False, "the embedded model has no reward tokens"
+    from rcgrpo import hub
+
     local = Path(model).expanduser()
+    if not local.exists() and hub.is_hub_id(str(model)):
+        # Only what is in the Hugging Face cache is read (eval fetches a hub id first).
+        local = hub.cached(str(model))
+        if local is None:
+            return False, f"{model} is not fetched, so taken to have no reward tokens"
     if not local.exists():
-        return False, f"{model} has no reward tokens"  # a hub id; a bad path fails when it loads
+        return False, f"{model} has no reward tokens"  # a bad path fails when it loads
     try:
         has = _has_reward_tokens(local)
     except Exception:  # not a loadable tokenizer: the model load names the problem

@@ -41,17 +41,36 @@ class RunContext:
             return
         atomic_write_text(self.run_dir / "stages" / f"{stage}.done", json.dumps(info, indent=1))
 
-    def export_model(self, stage: str, policy: TrainablePolicy) -> Path:
+    def export_model(self, stage: str, policy: TrainablePolicy, start: Path | None = None) -> Path:
         """Save the stage's final policy (safetensors in `model.export_dtype`
-        + tokenizer) atomically. Every rank calls; rank 0 writes, and no rank
-        goes on before the folder exists (it is what every rank loads next)."""
+        + tokenizer) atomically; a LoRA policy's adapter as an adapter of the
+        user's model (rcgrpo.sharing). `start`: the folder the stage started
+        from (default: the run's base). Every rank calls; rank 0 writes, and
+        no rank goes on before the folder exists (it is what every rank loads next)."""
         dtype = getattr(torch, self.cfg.model.export_dtype)
         if distributed.is_main():
-            self._replace_model_dir(stage, lambda tmp: policy.export(tmp, dtype))
+            self._replace_model_dir(stage, lambda tmp: self._write_export(tmp, stage, policy, dtype,
+                                                                          start or self.base_model_dir))
         else:
             policy.export(self.stage_model_dir(stage), dtype)  # joins the gathers, writes nothing
         distributed.barrier()
         return self.stage_model_dir(stage)
+
+    def _write_export(self, folder: Path, stage: str, policy: TrainablePolicy, dtype: torch.dtype,
+                      start: Path) -> None:
+        policy.export(folder, dtype)
+        if not policy.lora:
+            return
+        from rcgrpo.lora import ADAPTER_DIR
+        from rcgrpo.models import added_reward_tokens
+        from rcgrpo.sharing import make_shareable
+
+        model_id = self.cfg.model.name_or_path
+        why_not = make_shareable(folder / ADAPTER_DIR, stage=stage, model_id=model_id, tokenizer=self.tokenizer,
+                                 added_tokens=added_reward_tokens(self.base_model_dir, self.tokenizer),
+                                 start=start, base=self.base_model_dir)
+        if why_not:
+            log_line(f"[{stage}] its adapter is one of {start}, not of {model_id}: {why_not}")
 
     def _replace_model_dir(self, stage: str, write_model) -> Path:
         """`write_model(tmp)` plus the tokenizer into a temporary sibling, then
