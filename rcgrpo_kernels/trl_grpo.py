@@ -5,7 +5,8 @@ trainer's `trl` extra); it needs only `torch`, `trl==1.16.0` and the kernels.
 Use `KernelGRPOTrainer` wherever you used `GRPOTrainer`; nothing else changes:
 
     from rcgrpo_kernels.trl_grpo import KernelGRPOTrainer
-    trainer = KernelGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(loss_type="dapo", beta=0.04), ...)
+    trainer = KernelGRPOTrainer(model=..., reward_funcs=..., train_dataset=...,
+                                args=GRPOConfig(loss_type="dapo", beta=0.04, use_bias_correction_kl=False, ...))
     trainer.train()
 
 What changes is only the loss pass of each micro-batch (`_compute_loss`):

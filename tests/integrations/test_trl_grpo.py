@@ -187,3 +187,22 @@ def test_old_import_path_still_works_and_says_where_it_moved(prepared):
     with pytest.warns(DeprecationWarning, match="moved to rcgrpo_kernels.trl_grpo"):
         old = importlib.import_module("integrations.trl_grpo")
     assert old.KernelGRPOTrainer is rcgrpo_kernels.trl_grpo.KernelGRPOTrainer
+
+
+def test_the_documented_example_settings_are_accepted(prepared):
+    """The settings the module docstring's (and README's) example passes to
+    GRPOConfig are ones the drop-in accepts (once it named beta without
+    use_bias_correction_kl=False, and was refused at construction)."""
+    import rcgrpo_kernels.trl_grpo as drop_in
+
+    documented = {"loss_type": '"dapo"', "beta": "0.04", "use_bias_correction_kl": "False"}
+    assert all(f"{k}={v}" in drop_in.__doc__ for k, v in documented.items()), "the docstring's example changed"
+    trainer, _ = prepared
+    saved = trainer.loss_type, trainer.beta, trainer.args.use_bias_correction_kl
+    try:
+        trainer.loss_type, trainer.beta, trainer.args.use_bias_correction_kl = "dapo", 0.04, False
+        assert drop_in.unsupported_settings(trainer) == []
+        trainer.args.use_bias_correction_kl = True
+        assert drop_in.unsupported_settings(trainer) == ["use_bias_correction_kl"]
+    finally:
+        trainer.loss_type, trainer.beta, trainer.args.use_bias_correction_kl = saved
