@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rcgrpo.config import DYNAMIC_SAMPLING_PIPELINES, EMBEDDED_MODEL, PIPELINES, Config, ConfigError, all_keys, leaves
+from rcgrpo.trackers import TRACKERS, missing
 
 _SIGNS = {"[": ">=", "(": ">", "]": "<=", ")": "<"}
 
@@ -125,6 +126,10 @@ def _run_rules(cfg: Config) -> Iterator[str]:
     unknown = [k for k in cfg.run.accept_changes or [] if k not in all_keys(cfg)]
     if unknown:
         yield f"run.accept_changes: {unknown} are not settings"
+    for name in missing(cfg.run.report_to or []):
+        others = [t for t in cfg.run.report_to if t != name]
+        yield (f"run.report_to {name} needs the `{TRACKERS[name]}` package: pip install {TRACKERS[name]}, or "
+               f"--run.report_to {','.join(others) or 'none'}")
 
 
 def _world_rules(cfg: Config) -> Iterator[str]:
