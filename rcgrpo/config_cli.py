@@ -225,7 +225,8 @@ def _size(cfg: Config) -> str:
             parts.append(f"{stage} {g.steps} steps x {g.batch_size} prompts x {g.group_size} rollouts, lr {g.lr:g}")
         elif stage == "eval":
             e = cfg.eval
-            count = f"{e.subset} {e.split} entries per category" if e.subset is not None else f"every {e.split} entry"
+            count = (f"{e.subset} {e.split} {'entry' if e.subset == 1 else 'entries'} per category"
+                     if e.subset is not None else f"every {e.split} entry")
             parts.append(f"eval {count} of {','.join(e.categories)}")
     return "; ".join(parts)
 
