@@ -1,6 +1,6 @@
 """The benchmark session: its size, its saved report, its scoreboard.
 
-    pytest benchmarks/ --benchmark-only            # quick: each comparison once (8.7 min on 2 idle cores; README, "Sizes and cost")
+    pytest benchmarks/ --benchmark-only            # quick: each comparison once (8.7 min on 2 idle cores)
     pytest benchmarks/ --benchmark-only --full     # every shape and setting, the overhead study (30.7 min)
     pytest benchmarks/ --benchmark-only --smoke    # every path once at tiny sizes (CI; no targets; 3.9 min)
 

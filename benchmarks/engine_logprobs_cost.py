@@ -35,7 +35,7 @@ def main(rounds: int) -> dict:
     from rcgrpo.training.losses import RLLossSettings
 
     folder = resolve_model_folder(None)
-    cfg = parse_args(["--fused", "--run.micro_batch_tokens", "4096", "--run.tensorboard", "false"],
+    cfg = parse_args(["--fused", "--run.micro_batch_tokens", "4096", "--run.report_to", "none"],
                      check_files=False)
     tokenizer = load_tokenizer(folder)
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, folder)

@@ -171,7 +171,7 @@ def common_flags(args) -> list:
             "--data.max_prompt_tokens", 2600, "--grpo.max_new_tokens", 96, "--grpo.max_total_tokens", 4096,
             "--grpo.temperature", 1.0, "--rctp.failure_temperature", 1.0, "--run.micro_batch_tokens", 8192,
             # every checkpoint kept: the RL arms start from one of RCTP's
-            "--run.checkpoint_every", 5, "--run.keep_last", 6, "--run.tensorboard", "true"]
+            "--run.checkpoint_every", 5, "--run.keep_last", 6, "--run.report_to", "tensorboard"]
 
 
 def done(args, name: str, stage: str) -> bool:

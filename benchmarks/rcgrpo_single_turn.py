@@ -41,7 +41,7 @@ def main(out_dir: str) -> dict:
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     folder = resolve_model_folder(None)
-    cfg = parse_args(["--fused", "--out-dir", out_dir, "--name", "bench", "--run.tensorboard", "false",
+    cfg = parse_args(["--fused", "--out-dir", out_dir, "--name", "bench", "--run.report_to", "none",
                       "--run.micro_batch_tokens", str(work.MICRO_BATCH_TOKENS),
                       "--model.gradient_checkpointing", os.environ.get("BENCH_GC", "true")], check_files=False)
     tok = load_tokenizer(folder)

@@ -76,7 +76,7 @@ def main(variant: str) -> dict:
 
     folder = resolve_model_folder(None)
     cfg = parse_args(VARIANTS[variant] + CHECKPOINTING + ["--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS),
-                                                          "--run.tensorboard", "false"], check_files=False)
+                                                          "--run.report_to", "none"], check_files=False)
     tokenizer = load_tokenizer(folder)
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, folder)
     policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=True)

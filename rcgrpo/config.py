@@ -40,6 +40,7 @@ from rcgrpo.prompts import DOC_STYLES
 from rcgrpo.reward_tokens import CONDITIONING_NAMES, HIGH_REWARD, default_eval_conditioning
 from rcgrpo.rollout import ENGINES
 from rcgrpo.stages import DYNAMIC_SAMPLING_PIPELINES, FINETUNE_STAGES, PAPER_RL_BATCH, PIPELINES, RL_STAGES
+from rcgrpo.trackers import TRACKERS
 
 try:
     import tomllib
@@ -116,6 +117,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    """The policy every stage starts from, and how it computes."""
+
     name_or_path: str = _f(EMBEDDED_MODEL, f"local HF folder, hub id (owner/name), or {EMBEDDED_MODEL}")
     dtype: str = _f(
         "float32",
@@ -144,6 +147,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """Which BFCL training entries, and how their prompts are written."""
+
     categories: list[str] = _f(list(CATEGORIES), f"BFCL multi-turn categories, subset of {CATEGORIES}",
                                choices=CATEGORIES, nonempty=True, unique=True)
     max_prompt_tokens: int = _f(6144, "skip entries whose first prompt is longer (choice: fits an 8k context)", ge=1)
@@ -266,6 +271,8 @@ class GrpoConfig:
 
 @dataclass
 class EvalConfig:
+    """The evaluation that ends a run (rcgrpo-eval takes the same keys)."""
+
     split: str = _f("test", "test (80 entries) or train", resume_safe=True, choices=("test", "train"))
     subset: Optional[int] = _f(None, "evaluate only this many entries (none = the whole split)", resume_safe=True,
                                ge=1)
@@ -281,6 +288,8 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
+    """Where the run lives, what runs it, what it logs."""
+
     name: Optional[str] = _f(None, "run name: the run lives in out_dir/name (none = the pipeline's name)")
     out_dir: str = _f("runs", "parent folder of runs")
     pipeline: str = _f("rctp+rc-grpo", f"one of {tuple(PIPELINES)}", choices=tuple(PIPELINES))
@@ -308,7 +317,11 @@ class RunConfig:
         1800.0, "torchrun: seconds a collective waits for a peer before failing (bounds a hang on a dead rank)",
         resume_safe=True, gt=0,
     )
-    tensorboard: bool = _f(True, "also write TensorBoard scalars when it is installed", resume_safe=True)
+    report_to: Optional[list[str]] = _f(
+        ["tensorboard"], f"trackers that get the metrics besides metrics.jsonl, of {tuple(TRACKERS)}: tensorboard "
+        "writes run_dir/tb/<stage>, wandb and mlflow a run per stage (their usual environment variables apply; "
+        "each needs its package); none = metrics.jsonl only (was run.tensorboard)",
+        resume_safe=True, choices=tuple(TRACKERS), nonempty=True, unique=True, note="none = metrics.jsonl only")
     push_to_hub: Optional[str] = _f(
         None, "upload each trained stage's export (model + tokenizer; LoRA: adapter/ too) to this Hub repo, "
         "owner/name, one commit per stage (token: HF_TOKEN or `hf auth login`, checked before training); "

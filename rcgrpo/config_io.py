@@ -12,13 +12,13 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import rcgrpo_kernels
 from rcgrpo import json_input
+from rcgrpo.command_line import deprecated, optional_inner, type_name
 from rcgrpo.config import Config, ConfigError, all_keys
 
 try:
@@ -52,6 +52,34 @@ def _advantage_estimator_name(value: Any) -> Any:
 RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "grpo.advantage_scale": ("grpo.advantage_estimator", _advantage_estimator_name),
 }
+
+
+def _tensorboard_into_report_to(cfg: Config, on: Any) -> None:
+    """run.tensorboard true / false: tensorboard in / out of run.report_to."""
+    trackers = [t for t in cfg.run.report_to or [] if t != "tensorboard"] + (["tensorboard"] if on else [])
+    cfg.run.report_to = trackers or None
+
+
+# Settings folded into another, which a value of theirs changes -> (that
+# setting, its type here, how the value changes the config). A flag or a
+# file (a saved config of an earlier run too) may still name them: the value
+# is applied, with one deprecation line.
+FOLDED: dict[str, tuple[str, type, Callable[[Config, Any], None]]] = {
+    "run.tensorboard": ("run.report_to", bool, _tensorboard_into_report_to),
+}
+
+
+def apply_folded(cfg: Config, key: str, value: Any, where: str) -> str:
+    """Apply the folded setting `key` (see FOLDED); returns what replaces it,
+    "run.report_to none", for the deprecation line."""
+    new, tp, fold = FOLDED[key]
+    fold(cfg, checked(value, tp, key, where))
+    now = cfg
+    for part in new.split("."):
+        now = getattr(now, part)
+    return f"{new} {'none' if now is None else ','.join(now) if isinstance(now, list) else now}"
+
+
 # Every dotted key -> (type, help). The schema is fixed, so it is walked once.
 KEYS = all_keys()
 # Every section ("grpo", "model.lora"): a proper dotted prefix of some key.
@@ -76,24 +104,6 @@ def unknown_setting(key: str, known: Sequence[str], where: str) -> ConfigError:
         close = [k for k in known if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:3]
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return ConfigError(f"unknown setting {key!r} ({where}){hint}")
-
-
-def optional_inner(tp):
-    """X for Optional[X], else None."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return None
-
-
-def type_name(tp) -> str:
-    inner = optional_inner(tp)
-    if inner is not None:
-        return f"{type_name(inner)} or none"
-    if typing.get_origin(tp) is list:
-        return f"list of {type_name(typing.get_args(tp)[0])}"
-    return getattr(tp, "__name__", str(tp))
 
 
 def checked(value, tp, key: str, where: str):
@@ -135,6 +145,9 @@ def apply_settings(cfg: Config, table: dict, where: str, prefix: str = "") -> No
     for k, v in table.items():
         key = prefix + str(k)
         if key in RETIRED:
+            continue
+        if key in FOLDED:
+            deprecated("rcgrpo.config", f"{key} ({where})", apply_folded(cfg, key, v, where))
             continue
         if key in RENAMED:
             key, rename = RENAMED[key]

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from rcgrpo.config import DYNAMIC_SAMPLING_PIPELINES, EMBEDDED_MODEL, PIPELINES, Config, ConfigError, all_keys, leaves
 from rcgrpo.hub import is_hub_id
+from rcgrpo.trackers import TRACKERS, missing
 
 _SIGNS = {"[": ">=", "(": ">", "]": "<=", ")": "<"}
 
@@ -129,6 +130,10 @@ def _run_rules(cfg: Config) -> Iterator[str]:
     repo = cfg.run.push_to_hub
     if repo is not None and not (is_hub_id(repo) and "@" not in repo):
         yield f"run.push_to_hub must be a Hub repo id owner/name, got {repo!r}"
+    for name in missing(cfg.run.report_to or []):
+        others = [t for t in cfg.run.report_to if t != name]
+        yield (f"run.report_to {name} needs the `{TRACKERS[name]}` package: pip install {TRACKERS[name]}, or "
+               f"--run.report_to {','.join(others) or 'none'}")
 
 
 def _world_rules(cfg: Config) -> Iterator[str]:

@@ -1,4 +1,5 @@
-"""Per-step metrics: ``runs/<name>/metrics.jsonl`` (+ TensorBoard), and tqdm conventions.
+"""Per-step metrics: ``runs/<name>/metrics.jsonl`` (+ the trackers of
+``run.report_to``: TensorBoard, W&B, MLflow; rcgrpo/trackers.py), and tqdm conventions.
 
 Every ``log`` call writes one JSON object per line and flushes it, so a
 killed run keeps every step it finished::
@@ -28,12 +29,13 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from rcgrpo import json_input
 from rcgrpo.atomic import atomic_output
 from rcgrpo.errors import UserError
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.trackers import open_trackers
 
 __all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress",
            "quiet_library_progress", "log_line"]
@@ -142,7 +144,7 @@ def read_records(path: str | os.PathLike, strict: bool = True,
 
 
 class MetricsLogger:
-    """Append-only JSONL metrics for one stage of a run (+ TensorBoard scalars).
+    """Append-only JSONL metrics for one stage of a run (+ its trackers).
 
     Args:
         run_dir: the run folder; the file is ``run_dir/metrics.jsonl``.
@@ -150,8 +152,11 @@ class MetricsLogger:
         resume_step: None for a fresh start of this stage; k to continue after
             a checkpoint at step k (records of this stage with step > k, and
             everything after them, are cut; see the module docstring).
-        tensorboard: also write scalars to ``run_dir/tb/<stage>`` when
-            ``torch.utils.tensorboard`` imports.
+        report_to: trackers that also get every record's finite numbers
+            (rcgrpo.trackers: "tensorboard", "wandb", "mlflow"); none by
+            default (a run passes its ``run.report_to``).
+        run_name, config: the run's name and settings, for the trackers
+            that record them (W&B, MLflow).
     """
 
     def __init__(
@@ -159,7 +164,9 @@ class MetricsLogger:
         run_dir: str | os.PathLike,
         stage: Optional[str] = None,
         resume_step: Optional[int] = None,
-        tensorboard: bool = True,
+        report_to: Sequence[str] = (),
+        run_name: Optional[str] = None,
+        config: Optional[dict] = None,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +175,11 @@ class MetricsLogger:
         self.resume_step = resume_step
         self._cut()
         self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = self._open_tensorboard() if tensorboard else None
+        try:
+            self._trackers = open_trackers(report_to, self.run_dir, stage or "main", resume_step, run_name, config)
+        except BaseException:
+            self._file.close()
+            raise
 
     def _cut(self) -> None:
         if not self.path.is_file():
@@ -196,16 +207,6 @@ class MetricsLogger:
                 for rec in kept:
                     f.write(json.dumps(rec) + "\n")
 
-    def _open_tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except Exception:  # not installed, or a broken install: JSONL is enough
-            return None
-        # One folder per stage: purge_step then only rewinds this stage.
-        log_dir = self.run_dir / "tb" / (self.stage or "main")
-        purge = None if self.resume_step is None else self.resume_step + 1
-        return SummaryWriter(log_dir=str(log_dir), purge_step=purge)
-
     def log(self, step: int, metrics: Optional[dict] = None, **more: Any) -> dict:
         """Write one record for ``step``; nested dicts become "a/b" keys.
 
@@ -220,18 +221,19 @@ class MetricsLogger:
         record = {"stage": self.stage, "step": int(step), "time": round(time.time(), 3), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, global_step=int(step))
+        if self._trackers:
+            scalars = {k: v for k, v in values.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+            for tracker in self._trackers:
+                tracker.log(scalars, int(step))
         return record
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
     def __enter__(self) -> "MetricsLogger":
         return self

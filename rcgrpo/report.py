@@ -1,4 +1,4 @@
-"""`python -m rcgrpo.report RUN_DIR`: metrics.jsonl -> PNG plots + report.md.
+"""`rcgrpo-report --name NAME` (rcgrpo/report_cli.py): metrics.jsonl -> PNG plots + report.md.
 
 Reads ``RUN_DIR/metrics.jsonl`` (written by ``rcgrpo.metrics``), saves the
 figures of ``rcgrpo.plots`` (``dashboard.png``: is RL working; one PNG per
@@ -18,7 +18,6 @@ long_context / overall (+ the mean of categories), in %.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -217,18 +216,10 @@ def write_report(run_dir: str | os.PathLike) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rcgrpo.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="a run folder, e.g. runs/rctp_rc-grpo")
-    args = parser.parse_args(argv)
-    try:
-        out = write_report(args.run_dir)
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"report: {out}")
-    for png in sorted(out.parent.glob("*.png")):
-        print(f"plot:   {png}")
-    return 0
+    """`rcgrpo-report` (its command line: rcgrpo/report_cli.py)."""
+    from rcgrpo.report_cli import main as report_main
+
+    return report_main(argv)
 
 
 if __name__ == "__main__":

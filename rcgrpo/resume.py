@@ -80,14 +80,20 @@ def check_resume(cfg: Config, write: bool = True) -> list[Difference]:
         there = f"runs there: {', '.join(runs)}" if runs else "there are no runs there"
         raise ResumeError(f"--resume: there is no run {cfg.run.name!r} in {cfg.run.out_dir} ({there}); "
                           "leave out --resume to start it")
-    differences = config_differences(load_saved_config(run_dir), cfg)
+    saved = load_saved_config(run_dir)
+    differences = config_differences(saved, cfg)
     safe, accepted = resume_safe_keys(), set(cfg.run.accept_changes or [])
     refused = [d for d in differences if d.key not in safe and d.key not in accepted]
     if refused:
         keys = ",".join(d.key for d in refused)
+        # A run started with a model named before the default preset applied
+        # to every model was started without one: say which preset it had.
+        preset = (f" (the run was started with preset {saved.preset or 'none'}; this command line applies "
+                  f"{cfg.preset or 'none'}: add --preset {saved.preset or 'none'})" if saved.preset != cfg.preset
+                  else "")
         raise ResumeError(
             f"--resume of {run_dir} refused: {len(refused)} setting(s) would change what the run trains: "
-            + "; ".join(map(str, refused))
+            + "; ".join(map(str, refused)) + preset
             + f". Resume with the run's own settings (--config {run_dir / 'config.toml'} --resume), accept the "
             f"change(s) with --run.accept_changes {keys}, or start a new run under another --name"
         )

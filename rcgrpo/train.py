@@ -26,7 +26,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rcgrpo import distributed
-from rcgrpo.config import PIPELINES, Config, parse_args
+from rcgrpo.config import PIPELINES, Config
+from rcgrpo.config_cli import parse_command_line, run_header
 from rcgrpo.errors import UserError, run_command
 from rcgrpo.run_lock import LOCK_FILE, RunFolderLock, RunInUseError, holder_of, in_use
 from rcgrpo.stages import FINETUNE_STAGES, RL_STAGES, TRAINED_STAGES
@@ -441,7 +442,14 @@ def engine_kwargs(cfg: Config, device: torch.device) -> dict:
 
 
 def train_command(argv: list[str]) -> int:
-    cfg = parse_args(argv)
+    from rcgrpo.metrics import log_line
+
+    resolved = parse_command_line(argv)
+    cfg = resolved.cfg
+    # First, before any work: what this run applies (the preset and why,
+    # its size), so that a changed model or file never changes it unseen.
+    for line in run_header(resolved, argv):
+        log_line(line)
     with distributed.guarded():  # a failing rank names itself and exits non-zero
         distributed.init(pick_device(cfg.run.device).type, cfg.run.dist_timeout_s)
         code = run(cfg)

@@ -75,9 +75,12 @@ def test_a_bad_rctp_data_file_is_one_line(tmp_path, capsys, monkeypatch, content
 
 @pytest.mark.parametrize("argv, says", [
     (["--replay", "x.jsonl"], "--replay needs --out"),
-    (["--model", "m", "--split", "dev"], "argument --split: invalid choice: 'dev'"),
-    (["--nonsense"], "one of the arguments --replay --ground-truth --model is required"),
-    (["--ground-truth", "--subset", "many"], "argument --subset: invalid int value: 'many'"),
+    (["--model", "m", "--split", "dev"], "--split must be one of ('test', 'train'), got 'dev'"),
+    (["--nonsense"], "unknown flag --nonsense"),
+    (["--max-tokens", "5"], "unknown flag --max-tokens; did you mean --max-new-tokens?"),
+    (["--subset", "2"], "give exactly one of --model, --replay, --ground-truth"),
+    (["--ground-truth", "--subset", "many"], "eval.subset: expected int, got 'many'"),
+    (["--model", "m", "positional"], "unexpected argument 'positional'"),
 ])
 def test_eval_usage_errors_are_one_line(capsys, monkeypatch, argv, says):
     monkeypatch.delenv(DEBUG_ENV, raising=False)

@@ -28,11 +28,16 @@ def test_defaults_are_the_papers_numbers():
     assert cfg.run.name == "rctp_rc-grpo" and str(cfg.run_dir) == "runs/rctp_rc-grpo"
 
 
-def test_embedded_default_gets_the_cpu_preset_and_named_models_do_not(tmp_path):
-    assert parse_args([]).preset == "cpu-small"
-    assert parse_args(["--fused"]).grpo.steps == C.PRESETS["cpu-small"]["grpo.steps"]
-    assert parse_args(["--model", "owner/name"], check_files=False).preset is None
-    assert parse_args(["--model", "owner/name"], check_files=False).grpo.batch_size == 256
+def test_the_default_preset_applies_whatever_the_model(tmp_path):
+    """Before, naming a model dropped the preset: a laptop's `--model ./folder`
+    started 720 entries x 400 steps. The size changes only with --preset."""
+    size = lambda cfg: (cfg.preset, cfg.grpo.steps, cfg.grpo.batch_size, cfg.data.entry_ids)
+    bare = size(parse_args([]))
+    assert bare[:2] == ("cpu-small", C.PRESETS["cpu-small"]["grpo.steps"])
+    assert size(parse_args(["--model", "owner/name"], check_files=False)) == bare
+    (tmp_path / "model.toml").write_text('[model]\nname_or_path = "owner/name"\n')
+    assert size(parse_args(["--config", str(tmp_path / "model.toml")], check_files=False)) == bare
+    assert parse_args(["--preset", "none", "--model", "owner/name"], check_files=False).grpo.batch_size == 256
     assert parse_args(["--preset", "none"]).preset is None
 
 
@@ -77,9 +82,9 @@ def test_layers_later_wins(tmp_path):
 
 
 def test_cli_forms():
-    cfg = parse_args(["--grpo.lr=2e-6", "--run.fused", "--no-run.tensorboard", "--resume", "--data.train_subset", "none",
-                      "--eval.categories", "base, miss_func", "--model.lora.dropout", "0"])
-    assert cfg.grpo.lr == 2e-6 and cfg.run.fused and not cfg.run.tensorboard and cfg.run.resume
+    cfg = parse_args(["--grpo.lr=2e-6", "--run.fused", "--run.report_to", "none", "--resume", "--data.train_subset",
+                      "none", "--eval.categories", "base, miss_func", "--model.lora.dropout", "0"])
+    assert cfg.grpo.lr == 2e-6 and cfg.run.fused and cfg.run.report_to is None and cfg.run.resume
     assert cfg.data.train_subset is None and cfg.eval.categories == ["base", "miss_func"]
     assert cfg.model.lora.dropout == 0.0
     assert not parse_args(["--fused", "false"]).run.fused

@@ -52,7 +52,7 @@ def lora_model(policy, seed=0):
 
 def make_ctx(tmp_path, tokenizer, policy, *extra):
     cfg = parse_args(["--out-dir", str(tmp_path), "--name", "lora", "--run.checkpoint_every", "0",
-                      "--run.tensorboard", "false", "--grpo.beta", "0.1", *LORA_ARGS, *extra])
+                      "--run.report_to", "none", "--grpo.beta", "0.1", *LORA_ARGS, *extra])
     return RunContext(cfg, torch.device("cpu"), tokenizer, policy.path)
 
 
@@ -335,7 +335,7 @@ def test_trainer_lora_stage_exports_merged_model_and_resumes_to_the_same_weights
     data = save_records(records, tmp_path / "tiny.jsonl")
     argv = ["--fused", "--stages", "rctp", "--rctp.data_file", str(data), "--rctp.batch_size", "1",
             "--rctp.epochs", "1", "--rctp.lr", "1e-3", "--rctp.warmup_ratio", "0", "--run.checkpoint_every", "1",
-            "--run.tensorboard", "false", "--out-dir", str(tmp_path / "runs"), "--name", "lora", *LORA_ARGS,
+            "--run.report_to", "none", "--out-dir", str(tmp_path / "runs"), "--name", "lora", *LORA_ARGS,
             "--data.entry_ids", "multi_turn_base_1"]  # trained from the data file: spare tokenizing the split
     assert run(parse_args(argv)) == 0
     run_dir = tmp_path / "runs" / "lora"

@@ -22,7 +22,7 @@ def steps(run_dir, stage=None):
 
 
 def test_each_line_is_flushed_and_values_converted(tmp_path):
-    log = MetricsLogger(tmp_path, stage="rc-grpo", tensorboard=False)
+    log = MetricsLogger(tmp_path, stage="rc-grpo")
     log.log(1, {"loss": torch.tensor(0.5), "stats": {"kl": np.float32(0.25)}}, reward_mean=1, ok=True)
     rec = lines(tmp_path)[0]  # readable before close: flushed
     assert rec["stage"] == "rc-grpo" and rec["step"] == 1 and isinstance(rec["time"], float)
@@ -37,10 +37,10 @@ def test_each_line_is_flushed_and_values_converted(tmp_path):
 
 
 def test_resume_drops_steps_after_the_checkpoint(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as log:
+    with MetricsLogger(tmp_path) as log:
         for s in range(1, 9):
             log.log(s, loss=s)
-    with MetricsLogger(tmp_path, resume_step=5, tensorboard=False) as log:
+    with MetricsLogger(tmp_path, resume_step=5) as log:
         assert steps(tmp_path) == [1, 2, 3, 4, 5]
         log.log(6, loss=60)
     assert steps(tmp_path) == [1, 2, 3, 4, 5, 6] and lines(tmp_path)[-1]["loss"] == 60
@@ -49,38 +49,38 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
 
 
 def test_stages_share_the_file(tmp_path):
-    with MetricsLogger(tmp_path, stage="rctp", tensorboard=False) as log:
+    with MetricsLogger(tmp_path, stage="rctp") as log:
         for s in (1, 2, 3):
             log.log(s, loss=s)
-    with MetricsLogger(tmp_path, stage="rc-grpo", tensorboard=False) as log:  # next stage: appends
+    with MetricsLogger(tmp_path, stage="rc-grpo") as log:  # next stage: appends
         for s in (1, 2, 3, 4):
             log.log(s, reward_mean=0.1 * s)
-    with MetricsLogger(tmp_path, stage="rc-grpo", resume_step=2, tensorboard=False):
+    with MetricsLogger(tmp_path, stage="rc-grpo", resume_step=2):
         assert steps(tmp_path, "rctp") == [1, 2, 3] and steps(tmp_path, "rc-grpo") == [1, 2]
-    with MetricsLogger(tmp_path, stage="rctp", tensorboard=False):  # stage redone from scratch
+    with MetricsLogger(tmp_path, stage="rctp"):  # stage redone from scratch
         assert lines(tmp_path) == []  # its old lines and all that followed them
 
 
 def test_truncated_last_line_is_dropped_on_resume(tmp_path):
-    with MetricsLogger(tmp_path, tensorboard=False) as log:
+    with MetricsLogger(tmp_path) as log:
         log.log(1, loss=1)
         log.log(2, loss=2)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"stage": null, "step": 3, "lo')  # killed mid-write
     with pytest.warns(UserWarning, match="cut off"):
-        MetricsLogger(tmp_path, resume_step=2, tensorboard=False).close()
+        MetricsLogger(tmp_path, resume_step=2).close()
     assert steps(tmp_path) == [1, 2]
 
 
 def test_unreadable_lines_are_kept_in_the_dropped_file(tmp_path):
-    with MetricsLogger(tmp_path, stage="rctp", tensorboard=False) as log:
+    with MetricsLogger(tmp_path, stage="rctp") as log:
         log.log(1, loss=1)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"stage": "rctp", "step": 2, "loss": 0.5} garbage after a crash\n')
         f.write('{"stage": "rctp", "step": 3, "loss": 0.2}\n')
         f.write('{"stage": "rctp", "step": 4, "lo')  # torn by a kill
     with pytest.warns(UserWarning, match="metrics.dropped.jsonl"):
-        MetricsLogger(tmp_path, stage="rc-grpo", tensorboard=False).close()
+        MetricsLogger(tmp_path, stage="rc-grpo").close()
     assert steps(tmp_path, "rctp") == [1, 3]
     kept = [json.loads(x) for x in (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()]
     assert kept == [{"unreadable_line": 2, "text": '{"stage": "rctp", "step": 2, "loss": 0.5} garbage after a crash'},
@@ -104,12 +104,14 @@ def test_tensorboard_scalars(tmp_path):
     require("tensorboard", "dev")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with MetricsLogger(tmp_path, stage="rc-grpo") as log:
+    with MetricsLogger(tmp_path, stage="rc-grpo", report_to=["tensorboard"]) as log:
         for s in (1, 2, 3):
-            log.log(s, reward_mean=0.5 * s, note="text is not a scalar")
+            log.log(s, reward_mean=0.5 * s, kl=float("nan") if s == 2 else 0.1, note="text is not a scalar")
     acc = EventAccumulator(str(tmp_path / "tb" / "rc-grpo"))
     acc.Reload()
     assert [e.value for e in acc.Scalars("reward_mean")] == [0.5, 1.0, 1.5]
+    assert [e.step for e in acc.Scalars("kl")] == [1, 3]  # a non-finite value is left out
+    assert "note" not in acc.Tags()["scalars"]
 
 
 def test_progress_conventions(monkeypatch, capsys):

@@ -11,15 +11,21 @@ import pytest
 from rcgrpo.metrics import MetricsLogger
 from rcgrpo.report import ReportError, eval_table_markdown, main, write_report
 
+
+def run_flags(run_dir):
+    """rcgrpo-report's flags for the run folder `run_dir`."""
+    return ["--name", run_dir.name, "--out-dir", str(run_dir.parent)]
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def synthetic_run(run_dir, with_eval=True):
     rnd = random.Random(0)
-    with MetricsLogger(run_dir, stage="rctp", tensorboard=False) as log:
+    with MetricsLogger(run_dir, stage="rctp") as log:
         for s in range(1, 11):
             log.log(s, loss=2.0 / s, lr=1e-5, grad_norm=1 + rnd.random())
-    with MetricsLogger(run_dir, stage="rc-grpo", tensorboard=False) as log:
+    with MetricsLogger(run_dir, stage="rc-grpo") as log:
         for s in range(1, 41):
             hi, lo = min(1, 0.2 + s / 50 + 0.1 * rnd.random()), 0.1 * rnd.random()
             log.log(s, reward_mean=(hi + lo) / 2, reward_mean_high=hi, reward_mean_low=lo,
@@ -39,7 +45,7 @@ def test_report_writes_valid_pngs_and_markdown(tmp_path):
 
     synthetic_run(tmp_path)
     (tmp_path / "overview.png").write_bytes(PNG_MAGIC)  # drawn by an earlier version of the report
-    assert main([str(tmp_path)]) == 0
+    assert main(run_flags(tmp_path)) == 0
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["dashboard.png", "rc-grpo.png", "rctp.png",
                                                                "speed.png"]
     for name in ("dashboard", "rctp", "rc-grpo", "speed"):
@@ -62,10 +68,10 @@ def test_learning_curves_and_the_steer_are_plotted(tmp_path):
     RCTP's steer at the first divergent token are drawn."""
     from PIL import Image
 
-    with MetricsLogger(tmp_path, stage="rctp", tensorboard=False) as log:
+    with MetricsLogger(tmp_path, stage="rctp") as log:
         for s in range(4):
             log.log(s, steer=0.5 * s, steer_logodds=0.8 * s, p_expert_high=0.5 + 0.1 * s, p_expert_low=0.5 - 0.1 * s)
-    with MetricsLogger(tmp_path, stage="rc-grpo", tensorboard=False) as log:
+    with MetricsLogger(tmp_path, stage="rc-grpo") as log:
         for s in (0, 5, 10):
             for name, base in (("high", 0.4), ("low", 0.2)):
                 mean = base + 0.02 * s
@@ -83,7 +89,7 @@ def test_learning_curves_and_the_steer_are_plotted(tmp_path):
 
 
 def test_report_without_eval_or_rl_metrics(tmp_path):
-    with MetricsLogger(tmp_path, stage="sft", tensorboard=False) as log:
+    with MetricsLogger(tmp_path, stage="sft") as log:
         for s in (1, 2):
             log.log(s, loss=1.0 / s)
     out = write_report(tmp_path)
@@ -113,10 +119,10 @@ def test_records_of_the_wrong_types_are_skipped_or_refused_in_one_line(tmp_path,
                     {"step": 54, "stage": "rc-grpo", "sampled_reward_low": 0.5, "sampled_reward_low_n": 8}]:
             f.write(json.dumps(odd) + "\n")
     (tmp_path / "eval.json").write_text(json.dumps({"categories": {"base": "half"}, "overall": None, "n": [1]}))
-    assert main([str(tmp_path)]) == 0, capsys.readouterr().err
+    assert main(run_flags(tmp_path)) == 0, capsys.readouterr().err
     for bad_line in ['{"step": 1, "stage": ["rctp"]}', '{"step": "1"}', "[" * 100_000 + "]" * 100_000]:
         (tmp_path / "metrics.jsonl").write_text(bad_line + '\n{"step": 2, "loss": 1.0}\n')
-        assert main([str(tmp_path)]) == 2
+        assert main(run_flags(tmp_path)) == 2
         err = capsys.readouterr().err
         assert "metrics.jsonl:1" in err and len(err.strip().splitlines()) == 1, err
 
@@ -135,6 +141,6 @@ def test_clear_errors(tmp_path, capsys, setup, needle):
     setup(tmp_path)
     with pytest.raises(ReportError, match=needle):
         write_report(tmp_path)
-    assert main([str(tmp_path)]) == 2
+    assert main(run_flags(tmp_path)) == 2
     assert needle.split(":")[0] in capsys.readouterr().err
-    assert main([str(tmp_path / "missing")]) == 2
+    assert main(run_flags(tmp_path / "missing")) == 2

@@ -69,10 +69,10 @@ def test_every_difference_is_listed_at_once(tmp_path):
 def test_resume_safe_changes_are_allowed_and_recorded(tmp_path):
     run_dir = started_run(tmp_path)
     subset = str(PRESETS["cpu-small"]["eval.subset"] + 1)  # any value but the saved one
-    cfg = resumed(tmp_path, "--run.checkpoint_every", "7", "--eval.subset", subset, "--run.tensorboard", "false",
+    cfg = resumed(tmp_path, "--run.checkpoint_every", "7", "--eval.subset", subset, "--run.report_to", "none",
                   "--device", "cpu", "--stages", "rctp,eval")
     got = {d.key for d in check_resume(cfg)}
-    assert got == {"run.checkpoint_every", "eval.subset", "run.tensorboard", "run.device", "run.stages"}
+    assert got == {"run.checkpoint_every", "eval.subset", "run.report_to", "run.device", "run.stages"}
     assert {r["key"]: r["how"] for r in changes(run_dir)} == dict.fromkeys(got, "resume-safe")
     row = next(r for r in changes(run_dir) if r["key"] == "run.checkpoint_every")
     assert (row["saved"], row["now"]) == (PRESETS["cpu-small"]["run.checkpoint_every"], 7)
@@ -119,3 +119,13 @@ def test_the_command_line_refuses_in_one_line_and_keeps_the_saved_config(tmp_pat
     lines = [line for line in err.splitlines() if line.startswith("rcgrpo.train: ")]
     assert len(lines) == 1 and "grpo.batch_size 4 -> 1" in lines[0] and "Traceback" not in err
     assert (run_dir / "config.json").read_text() == saved
+
+
+def test_a_refusal_names_the_preset_the_run_was_started_with(tmp_path):
+    """A run started with --preset none (or with a model named, before the
+    default preset applied to every model) is told which preset to add."""
+    started_run(tmp_path, "--preset", "none")
+    with pytest.raises(ResumeError, match=r"\(the run was started with preset none; this command line applies "
+                                          r"cpu-small: add --preset none\)"):
+        check_resume(resumed(tmp_path))
+    assert check_resume(resumed(tmp_path, "--preset", "none")) == []

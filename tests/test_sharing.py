@@ -70,7 +70,7 @@ def two_stages(request, tmp_path_factory, tokenizer):
     mp = pytest.MonkeyPatch()
     mp.setenv("RCGRPO_CACHE", str(root / "rcgrpo-cache"))
     model_id = str(save_hub_model(root / "user-model", tokenizer, tied=request.param))
-    cfg = parse_args(["--out-dir", str(root / "runs"), "--name", "share", "--run.tensorboard", "false",
+    cfg = parse_args(["--out-dir", str(root / "runs"), "--name", "share", "--run.report_to", "none",
                       "--model.name_or_path", model_id, *LORA_ARGS])
     base = resolve_model_folder(model_id)
     tok = load_tokenizer(base)

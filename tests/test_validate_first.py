@@ -117,12 +117,12 @@ def test_the_rctp_stage_without_its_data_set_is_refused_up_front(tmp_path, capsy
 @pytest.mark.parametrize("argv, says", [
     (["--subset", "0"], "--subset must be >= 1, got 0"),
     (["--subset", "-1"], "--subset must be >= 1, got -1"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
-    (["--max-total-tokens", "0"], "--max-total-tokens must be >= 1, got 0"),
+    (["--eval.max_new_tokens", "0"], "--eval.max_new_tokens must be >= 1, got 0"),
+    (["--grpo.max_total_tokens=0"], "--grpo.max_total_tokens must be >= 1, got 0"),
     (["--categories", ""], "--categories must not be empty"),
     (["--categories", "base,"], "--categories has an empty item"),
     (["--ids", ""], "--ids must not be empty"),
-    (["--out", ""], "argument --out: must not be an empty string"),
+    (["--out", ""], "--out must not be an empty string"),
 ])
 def test_eval_counts_and_lists_are_refused_before_any_model_loads(capsys, no_model_loads, argv, says):
     assert eval_cli.main(["--model", "embedded:smollm2-135m-instruct", *argv]) == 2
@@ -133,13 +133,13 @@ def test_eval_counts_and_lists_are_refused_before_any_model_loads(capsys, no_mod
 def test_eval_empty_model_or_replay_path_is_refused(capsys, no_model_loads, argv):
     """Before: --model '' was resolved as a model name, --replay '' read the working directory."""
     assert eval_cli.main(argv) == 2
-    assert f"argument {argv[0]}: must not be an empty string" in one_line_error(capsys, "rcgrpo.eval")
+    assert f"error: {argv[0]} must not be an empty string" in one_line_error(capsys, "rcgrpo.eval")
 
 
 def test_eval_subset_0_through_the_cli(tmp_path):
     """Before: the model loaded, 0 entries were evaluated, exit 0."""
     proc = cli(tmp_path, "rcgrpo.eval", "--model", "embedded:smollm2-135m-instruct", "--subset", "0")
-    assert "argument --subset: --subset must be >= 1, got 0" in one_error_line(proc, "rcgrpo.eval")
+    assert "error: --subset must be >= 1, got 0" in one_error_line(proc, "rcgrpo.eval")
     assert not (tmp_path / "runs").exists()
 
 

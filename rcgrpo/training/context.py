@@ -126,4 +126,5 @@ class RunContext:
         if not distributed.is_main():
             return DiscardingLogger()  # one writer: rank 0 logs the reduced metrics
         return MetricsLogger(self.run_dir, stage=stage, resume_step=resume_step,
-                             tensorboard=self.cfg.run.tensorboard)
+                             report_to=self.cfg.run.report_to or (), run_name=self.cfg.run.name,
+                             config=self.cfg.to_dict())

@@ -21,7 +21,7 @@ def train_args(data, out):
     # 4 trajectories, 2 per step: 2 steps, a checkpoint after step 1.
     return ["-m", "rcgrpo.train", "--fused", "--stages", "rctp-data,rctp", "--rctp.data_file", str(data),
             "--rctp.batch_size", "2", "--rctp.epochs", "1", "--rctp.lr", str(LR), "--run.checkpoint_every", "1",
-            "--run.keep_last", "1", "--out-dir", str(out), "--name", "ws", "--no-run.tensorboard",
+            "--run.keep_last", "1", "--out-dir", str(out), "--name", "ws", "--run.report_to", "none",
             # Short records: a small micro-batch keeps the memory plan of 2
             # ranks sharing this 24 GB host within it.
             "--run.micro_batch_tokens", "1024",

@@ -55,7 +55,7 @@ def test_each_rl_step_wakes_swaps_generates_and_sleeps_before_the_update(tiny_fo
     from rcgrpo.envs.bfcl import load_entries, split_train_test
 
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "phases", "--run.checkpoint_every", "0",
-                      "--run.tensorboard", "false", "--grpo.steps", "2", "--grpo.batch_size", "1",
+                      "--run.report_to", "none", "--grpo.steps", "2", "--grpo.batch_size", "1",
                       "--grpo.group_size", "2", "--grpo.max_new_tokens", "4", "--grpo.lr", "1e-2",
                       "--grpo.eval_every", "0"],
                      check_files=False)
@@ -117,7 +117,7 @@ def _rl_run(tiny_folder, tokenizer, out_dir, engine, steps=2):
     from rcgrpo.envs.bfcl import load_entries, split_train_test
 
     cfg = parse_args(["--fused", "--out-dir", str(out_dir), "--name", "fault", "--run.checkpoint_every", "0",
-                      "--run.tensorboard", "false", "--grpo.steps", str(steps), "--grpo.batch_size", "1",
+                      "--run.report_to", "none", "--grpo.steps", str(steps), "--grpo.batch_size", "1",
                       "--grpo.group_size", "2", "--grpo.max_new_tokens", "4", "--grpo.lr", "1e-2",
                       "--grpo.eval_every", "1", "--grpo.eval_rollouts", "2"], check_files=False)
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)

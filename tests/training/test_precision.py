@@ -131,8 +131,8 @@ def test_under_bf16_autocast_the_reference_computes_exactly_like_the_policy_at_s
     from rcgrpo.training.grpo import UpdateSettings, rl_step
     from rcgrpo.training.losses import RLLossSettings, reference_logprobs, token_logprobs
 
-    cfg = parse_args(["--model.dtype", "bfloat16", "--fused", "--out-dir", str(tmp_path), "--run.tensorboard",
-                      "false"], check_files=False)
+    cfg = parse_args(["--model.dtype", "bfloat16", "--fused", "--out-dir", str(tmp_path), "--run.report_to",
+                      "none"], check_files=False)
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     batch = pack(trajectories)
     with torch.no_grad():

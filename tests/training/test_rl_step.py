@@ -152,7 +152,7 @@ class PerPromptEngine:
 
 def _ds_run(tmp_path, tokenizer, tiny_folder, *flags):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "ds", "--pipeline", "sft+grpo-ds",
-                      "--run.checkpoint_every", "0", "--run.tensorboard", "false", "--grpo.steps", "1",
+                      "--run.checkpoint_every", "0", "--run.report_to", "none", "--grpo.steps", "1",
                       "--grpo.batch_size", "2", "--grpo.group_size", "2", "--grpo.max_new_tokens", "64",
                       "--grpo.beta", "0", "--grpo.lr", "1e-3", "--grpo.eval_every", "0", *flags], check_files=False)
     assert cfg.grpo.dynamic_sampling
@@ -227,7 +227,7 @@ def sampled(tiny_folder, tokenizer, base_entries):
 
 
 def _ctx(tmp_path, tokenizer, tiny_folder):
-    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "u", "--run.tensorboard", "false"],
+    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "u", "--run.report_to", "none"],
                      check_files=False)
     return RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
 
@@ -328,7 +328,7 @@ def test_shared_prefixes_give_the_update_of_whole_sequences(tmp_path, tokenizer,
     forwarding every sequence whole (gradient, loss, counts), with far fewer
     forwarded tokens. At 4,500 tokens a micro-batch holds one 2.8k-4.2k-token
     sequence, or one group when prompts are shared; at 16,384 all of them."""
-    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "u", "--run.tensorboard", "false",
+    cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "u", "--run.report_to", "none",
                       "--run.micro_batch_tokens", str(micro_batch_tokens)], check_files=False)
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     out, grads = {}, {}
@@ -391,7 +391,7 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
 
 def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base_entries, capsys):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "agree", "--run.checkpoint_every", "0",
-                      "--run.tensorboard", "false", "--grpo.steps", "2", "--grpo.batch_size", "1",
+                      "--run.report_to", "none", "--grpo.steps", "2", "--grpo.batch_size", "1",
                       "--grpo.group_size", "2", "--grpo.max_new_tokens", "8", "--grpo.beta", "0.1",
                       "--grpo.tis_cap", "2", "--grpo.eval_every", "1", "--grpo.eval_rollouts", "3"], check_files=False)
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
@@ -436,8 +436,8 @@ def test_a_sum_loss_over_micro_batches_is_the_whole_batchs(tmp_path, tokenizer, 
     (averaged by loss-token share, not summed)."""
     out, grads = {}, {}
     for tokens in (4500, 32768):  # one sequence per micro-batch, or all of them
-        cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", f"u{tokens}", "--run.tensorboard",
-                          "false", "--run.micro_batch_tokens", str(tokens), "--model.share_prefixes", "false"],
+        cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", f"u{tokens}", "--run.report_to",
+                          "none", "--run.micro_batch_tokens", str(tokens), "--model.share_prefixes", "false"],
                          check_files=False)
         ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
         policy = _fresh(tiny_folder)

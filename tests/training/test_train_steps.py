@@ -101,7 +101,7 @@ def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
         policy, vllm_engine, tokenizer, chat_ids, real_group, tmp_path, capsys):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "steps", "--run.checkpoint_every", "0",
                       "--rctp.lr", "1e-4", "--rctp.batch_size", "4", "--rctp.epochs", "1",
-                      "--run.tensorboard", "false"])
+                      "--run.report_to", "none"])
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, policy.path)
     # Fresh copies (the session policy stays as it is), loaded as a stage loads them.
     trained = TrainablePolicy.load(policy.path, cfg.model, torch.device("cpu"), reference=False)

@@ -86,7 +86,7 @@ def real_groups(folder, tokenizer, study_entries):
 
 
 def _ctx(tmp_path, tokenizer, folder, *flags):
-    cfg = parse_args(["--out-dir", str(tmp_path), "--name", "direction", "--run.tensorboard", "false",
+    cfg = parse_args(["--out-dir", str(tmp_path), "--name", "direction", "--run.report_to", "none",
                       "--run.checkpoint_every", "0", "--run.micro_batch_tokens", "8192", *flags], check_files=False)
     return cfg, RunContext(cfg, torch.device("cpu"), tokenizer, folder)
 
