@@ -50,8 +50,11 @@ def _log_three_steps(run_dir, tracker):
             log.log(step, reward_mean=0.25 * step, kl=float("nan") if step == 2 else 0.5, note="text")
 
 
+# In no extra: skipped only where absent (a broken install fails, as tests/test_required.py asks).
+@pytest.mark.skipif("wandb" in MISSING, reason="wandb is in no extra and is not installed here")
 def test_wandb_gets_each_step(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+    import wandb
+
     monkeypatch.setenv("WANDB_MODE", "offline")  # written under the run folder, never sent
     monkeypatch.setenv("WANDB_SILENT", "true")
     runs, seen = [], {}
@@ -68,8 +71,8 @@ def test_wandb_gets_each_step(tmp_path, monkeypatch):
     assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb"))
 
 
+@pytest.mark.skipif("mlflow" in MISSING, reason="mlflow is in no extra and is not installed here")
 def test_mlflow_gets_each_step(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())

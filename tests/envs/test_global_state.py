@@ -95,6 +95,10 @@ import os, signal, sys, threading
 from rcgrpo.envs.bounded_worker import BoundedWorker
 from rcgrpo.errors import run_command
 
+# Ctrl-C raises KeyboardInterrupt, as at a terminal, even when this test runs
+# under a shell's background job (which starts it with SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 def body(argv):
     worker = BoundedWorker.shared("stateless_calls")
     worker.run("tests.envs.worker_jobs", "sleep", {"seconds": 0}, 60)  # started
