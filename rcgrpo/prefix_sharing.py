@@ -31,6 +31,7 @@ sequence boundaries, so there the batch is forwarded as packed.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -203,39 +204,99 @@ def forwarded_tokens(batch: PackedBatch, share_prefixes: bool) -> int:
 
 def micro_batch_plan(batch: PackedBatch, micro_batch_tokens: int, share_prefixes: bool,
                      min_bins: int = 1) -> list[list[int]]:
-    """Sequence indices of each micro-batch (ascending), balanced on the
+    """Sequence indices of each micro-batch (ascending), planned on the
     tokens each forward pass computes.
 
-    Without sharing: ``balance_micro_batches`` on the sequence lengths. With
-    it, the unit is a prompt group (``seq_group``), costed as forwarded with
-    its prefixes shared, so that a group's prompt is forwarded once per
-    micro-batch. A group over the budget is cut into parts of consecutive
-    sequences; the first of each later part is costed whole (it roots that
-    part's tree). Prefixes that different groups share (a common system
-    prompt) are shared too when they land together, but not planned for.
+    Without sharing: ``balance_micro_batches`` on the sequence lengths.
+
+    With it, sort, then fill:
+
+    1. Sort. The unit is a prompt group (``seq_group``; an RCTP or steer
+       batch is one group): its sequences in trie order (sorted by token
+       ids), the groups in the order of their first sequence. Sorted,
+       sequences that share a prefix are neighbours, the longer the share
+       the nearer: a group's two reward-token branches, then the groups (or
+       RCTP records) of one entry, then the entries with the same API docs,
+       then the rest. A group over the budget alone is cut, in that order,
+       into parts that fit, each costed from its first sequence whole (a
+       sequence over the budget alone is a part of its own).
+    2. Fill. Each unit, in that order, goes into the micro-batch where it
+       adds the fewest forwarded tokens within `micro_batch_tokens` (the
+       latest on a tie), or opens a new one. What a unit adds: its tokens
+       less the prefix its first sequence shares with the micro-batch's last
+       one, which, in this order, is the longest it shares with any of them
+       (none below ``MIN_SHARED_TOKENS``). So a group joins the groups it
+       shares its docs with while they have room, and fills another
+       micro-batch's room (sharing the preamble) before opening one.
+    3. `min_bins`: while there are fewer micro-batches, the costliest one of
+       two or more sequences is cut in two, in its order, where the prefix
+       shared across the cut is shortest (between units before inside one;
+       the more even cut on a tie).
+
+    Micro-batches are filled, not balanced: balancing moves groups away
+    from the ones they share with, which forwards their docs again.
     """
     if not share_prefixes:
         return balance_micro_batches(batch.seq_lens, micro_batch_tokens, min_bins)
     if micro_batch_tokens < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
-    lens = batch.seq_lens
+    cu = batch.cu_seqlens.tolist()
+    ids, pos = batch.input_ids.cpu(), batch.position_ids.cpu()
+    tokens = [ids[cu[s]:cu[s + 1]].tolist() for s in range(batch.num_seqs)]
+    length = [cu[s + 1] - cu[s] for s in range(batch.num_seqs)]
+
+    def shared(a: int, b: int) -> int:  # rows sequence b can read from sequence a
+        n = min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
+                common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
+        return n if n >= MIN_SHARED_TOKENS else 0
+
     groups: dict[int, list[int]] = {}
     for s, g in enumerate(batch.seq_group.tolist()):
         groups.setdefault(g, []).append(s)
-    units: list[tuple[list[int], int]] = []
-    for members in groups.values():
-        tails = shared_prefix_layout(batch.select(members)).seq_forwarded
-        part, cost = [members[0]], lens[members[0]]
-        for s, tail in zip(members[1:], tails[1:]):
+    units: list[tuple[list[int], int]] = []  # (sequences in order, tokens forwarded alone)
+    for members in sorted((sorted(m, key=lambda s: (tokens[s], s)) for m in groups.values()),
+                          key=lambda m: (tokens[m[0]], m[0])):
+        part, cost = [members[0]], length[members[0]]
+        for prev, s in zip(members, members[1:]):
+            tail = length[s] - shared(prev, s)
             if cost + tail > micro_batch_tokens:
                 units.append((part, cost))
-                part, cost = [s], lens[s]
+                part, cost = [s], length[s]
             else:
                 part.append(s)
                 cost += tail
         units.append((part, cost))
-    bins = balance_micro_batches([cost for _, cost in units], micro_batch_tokens, min_bins)
-    return [sorted(s for u in b for s in units[u][0]) for b in bins]
+
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for part, cost in units:
+        adds = [cost - shared(b[-1], part[0]) for b in bins]
+        fits = [k for k in range(len(bins)) if loads[k] + adds[k] <= micro_batch_tokens]
+        if fits:
+            k = min(reversed(fits), key=lambda k: adds[k])
+            bins[k] += part
+            loads[k] += adds[k]
+        else:
+            bins.append(list(part))
+            loads.append(cost)
+    firsts = {part[0] for part, _ in units}
+    while len(bins) < min_bins:
+        splittable = [k for k in range(len(bins)) if len(bins[k]) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda k: (loads[k], -k))
+        b = bins[k]
+        share = [0] + [shared(x, y) for x, y in zip(b, b[1:])]
+        load = list(itertools.accumulate((length[s] - c for s, c in zip(b, share)), initial=0))
+
+        def cost_of(lo: int, hi: int) -> int:
+            return length[b[lo]] + load[hi] - load[lo + 1]
+
+        cut = min(range(1, len(b)), key=lambda i: (b[i] not in firsts, share[i],
+                                                     max(cost_of(0, i), cost_of(i, len(b)))))
+        bins[k:k + 1] = [b[:cut], b[cut:]]
+        loads[k:k + 1] = [cost_of(0, cut), cost_of(cut, len(b))]
+    return [sorted(b) for b in bins]
 
 
 def micro_batches(batch: PackedBatch, micro_batch_tokens: int, share_prefixes: bool) -> list[PackedBatch]:
