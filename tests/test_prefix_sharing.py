@@ -3,6 +3,8 @@ reading of what each token may see, the forward and backward on a real
 transformers model against separate forwards, and the micro-batch plan."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -168,6 +170,31 @@ def test_flash_attention_varlen_does_not_share():
 # ---------------------------------------------------------------- the micro-batch plan
 
 
+def bfcl_step(seed, groups, docs=3, group_size=(2, 6), shuffle=False):
+    """Trajectories shaped like a BFCL step across entries: a preamble every
+    group shares, API docs drawn from a small pool (entries that use the same
+    classes share them), each group's own user turn, a reward token (two
+    kinds) and sampled replies. `shuffle`: packed in random order, as RCTP
+    batches are (one group there; here the group ids are kept)."""
+    r = random.Random(seed)
+    preamble = [r.randrange(100) for _ in range(r.randint(20, 50))]
+    pool = [[r.randrange(100) for _ in range(r.randint(80, 300))] for _ in range(docs)]
+    out = []
+    for k in range(groups):
+        prompt = preamble + r.choice(pool) + [r.randrange(100) for _ in range(r.randint(5, 30))]
+        for _ in range(r.randint(*group_size)):
+            reply = [r.randrange(100) for _ in range(r.randint(1, 80))]
+            ids = prompt + [101 + r.randrange(2), 7, 8] + reply
+            out.append(Trajectory(ids, [0] * (len(ids) - len(reply)) + [1] * len(reply), group=k))
+    if shuffle:
+        r.shuffle(out)
+    return out
+
+
+def forwarded(batch, plan):
+    return [shared_prefix_layout(batch.select(b)).num_forwarded for b in plan]
+
+
 @pytest.mark.parametrize("budget", [150, 300, 700, 5000])
 def test_plan_keeps_groups_together_within_the_budget(budget):
     batch = pack(bfcl_shaped(seed=6, groups=4, group_size=4))
@@ -175,10 +202,9 @@ def test_plan_keeps_groups_together_within_the_budget(budget):
     assert sorted(i for b in plan for i in b) == list(range(batch.num_seqs))
     assert all(b == sorted(b) for b in plan)
     group_of = batch.seq_group.tolist()
-    for b in plan:
-        forwarded = shared_prefix_layout(batch.select(b)).num_forwarded
+    for b, f in zip(plan, forwarded(batch, plan)):
         # Over the budget only when one group's part alone is (a part's first sequence is whole).
-        assert forwarded <= budget or len({group_of[i] for i in b}) == 1
+        assert f <= budget or len({group_of[i] for i in b}) == 1
     whole_group = shared_prefix_layout(batch.select([0, 1, 2, 3])).num_forwarded
     if budget >= whole_group:
         for b in plan:  # a group that fits is never split
@@ -186,6 +212,75 @@ def test_plan_keeps_groups_together_within_the_budget(budget):
             assert all(sum(group_of[i] == g for i in b) == 4 for g in groups)
     unshared = balance_micro_batches(batch.seq_lens, budget)
     assert len(plan) <= len(unshared)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_properties_on_bfcl_steps(seed):
+    """Every sequence once; each micro-batch within the budget unless it is one
+    sequence over it alone; groups that fit whole; `min_bins` micro-batches at
+    least; and never more forwarded tokens than the planner this one replaced
+    (groups costed alone, longest first into the lightest micro-batch: where
+    every group fits, that is all it did)."""
+    r = random.Random(seed)
+    batch = pack(bfcl_step(seed, groups=r.randint(1, 10), shuffle=r.random() < 0.5))
+    group_of = batch.seq_group.tolist()
+    members = {g: [s for s in range(batch.num_seqs) if group_of[s] == g] for g in set(group_of)}
+    alone = {g: shared_prefix_layout(batch.select(m)).num_forwarded for g, m in members.items()}
+    for budget in (r.randint(100, 400), max(alone.values()) + r.randint(0, 600)):
+        min_bins = r.choice([1, 1, 3])
+        plan = micro_batch_plan(batch, budget, share_prefixes=True, min_bins=min_bins)
+        assert sorted(i for b in plan for i in b) == list(range(batch.num_seqs))
+        assert len(plan) >= min(min_bins, batch.num_seqs)
+        tokens = forwarded(batch, plan)
+        assert all(f <= budget or len(b) == 1 for b, f in zip(plan, tokens))
+        if budget < max(alone.values()) or min_bins > 1:
+            continue
+        for g, m in members.items():
+            assert any(set(m) <= set(b) for b in plan), f"group {g} split though it fits"
+        gs = list(members)
+        old = [sorted(s for u in b for s in members[gs[u]])
+               for b in balance_micro_batches([alone[g] for g in gs], budget)]
+        assert sum(tokens) <= sum(forwarded(batch, old))
+
+
+def test_groups_that_share_docs_land_together():
+    """Four groups packed with their docs alternating (A, B, A, B); two of one
+    docs fit a micro-batch, two of different docs do not: each micro-batch
+    holds one docs' groups and the docs are forwarded once each. (Costing each
+    group alone put every group in a micro-batch of its own.)"""
+    r = random.Random(8)
+    preamble = [r.randrange(100) for _ in range(40)]
+    docs = [[r.randrange(100) for _ in range(300)] for _ in range(2)]
+    trajs = []
+    for k in range(4):
+        prompt = preamble + docs[k % 2] + [r.randrange(100) for _ in range(10)]
+        for i in range(3):
+            reply = [r.randrange(100) for _ in range(20)]
+            ids = prompt + [101 + i % 2, 7, 8] + reply
+            trajs.append(Trajectory(ids, [0] * (len(ids) - 20) + [1] * 20, group=k))
+    batch = pack(trajs)
+    plan = micro_batch_plan(batch, 600, share_prefixes=True)
+    group_of = batch.seq_group.tolist()
+    assert sorted(sorted({group_of[i] for i in b}) for b in plan) == [[0, 2], [1, 3]]
+    assert all(f <= 600 for f in forwarded(batch, plan))
+
+
+def test_rctp_pairs_land_together():
+    """An RCTP batch is one group of shuffled records; an entry's expert and
+    failure records share everything up to the reward tag. A budget that
+    holds two records of one entry, not of two: each micro-batch is a pair."""
+    r = random.Random(9)
+    preamble = [r.randrange(100) for _ in range(40)]
+    records = []
+    for entry in range(4):
+        prompt = preamble + [r.randrange(100) for _ in range(300)]
+        for tag in (101, 102):
+            reply = [r.randrange(100) for _ in range(30)]
+            records.append((entry, Trajectory(prompt + [tag] + reply, [0] * 341 + [1] * 30)))
+    r.shuffle(records)
+    batch = pack([t for _, t in records])
+    plan = micro_batch_plan(batch, 450, share_prefixes=True)
+    assert sorted(sorted(records[i][0] for i in b) for b in plan) == [[e, e] for e in range(4)]
 
 
 def test_plan_without_sharing_is_the_length_balance():
