@@ -177,6 +177,8 @@ class ParityOracle:
         with _no_dropout(self.policy.model):
             diff = tree_vs_dense(self.policy.lm, batch, self.fused, self.temperature)
         seconds = time.perf_counter() - t0
+        if mine is None:
+            diff = diff[:0]  # the padding batch's passes pair with the others'; its token is no figure
         local = float(diff.max()) if diff.numel() else 0.0
         # A NaN on any rank must reach all (a NaN figure refuses): max() with NaN first.
         worst = max(distributed.all_gather_objects(local), key=lambda x: math.inf if math.isnan(x) else x)
