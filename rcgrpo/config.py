@@ -139,9 +139,15 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory", resume_safe=True)
     share_prefixes: bool = _f(
         True, "forward the prompt prefix a micro-batch's sequences share once (sdpa/eager; flash-attn varlen "
-        "forwards every sequence whole): same hidden states and gradients, a group's prompt computed once",
+        "forwards every sequence whole): same hidden states and gradients, a group's prompt computed once; checked "
+        "against the dense forward by each stage (parity_check_every)",
         resume_safe=True,
     )
+    parity_check_every: int = _f(
+        0, "with share_prefixes: the shared-prefix forward's log-probs are checked against every sequence forwarded "
+        "whole on the first micro-batch of each stage that shares a prefix (tree_parity_max_abs in metrics.jsonl; "
+        "the run stops above a bound per model.dtype), and again every this many steps (two extra no-gradient "
+        "forwards of one micro-batch each time); 0 = once per stage", resume_safe=True, ge=0)
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings"})
 
 

@@ -73,6 +73,11 @@ STANDARD_METRICS = {
     "lr": "learning rate",
     "tokens_per_s": "trained tokens per second",
     "forward_tokens": "tokens the decoder computed per pass over the batch (shared prompt prefixes once)",
+    "tree_parity_max_abs": "max |log p| difference between the shared-prefix (tree) forward and every sequence "
+                           "forwarded whole, over one micro-batch's loss tokens, at the steps checked (nats; "
+                           "_mean_abs: the mean; _tokens: the loss tokens; _bound: the run stops above it; "
+                           "rcgrpo.training.parity)",
+    "tree_parity_s": "seconds the tree parity check's two extra forwards took",
     "rollout_s": "seconds spent generating rollouts",
     "update_s": "seconds spent in forward/backward/optimizer",
 }

@@ -19,6 +19,7 @@ from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
+from rcgrpo.training.parity import ParityOracle
 from rcgrpo.training.stage_verdict import FINETUNE_FIGURES, StageTally, bar_figures
 from rcgrpo.training.steer import steer
 
@@ -61,6 +62,7 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
     policy.train_mode()
     last = {}
     tally = StageTally(stage, rl=False)
+    parity = ParityOracle(stage, policy, every=ctx.cfg.model.parity_check_every, fused=ctx.cfg.run.fused)
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         if probe_every and start == 0:
             log.log(0, **measure_steer())
@@ -77,6 +79,8 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
             counts = distributed.all_reduce_sum(
                 {"loss_tokens": full.num_loss_tokens if full else 0, "tokens": full.num_tokens if full else 0})
             stats_sum, tokens = 0.0, 0
+            # Before the step's first pass: a refused check leaves the weights as they were.
+            checked = parity.check(step + 1, micros) if parity.due(step + 1) else {}
             for micro, padding in lockstep(micros, ctx.device):
                 loss, stats = sft_loss(policy.lm, micro, fused=ctx.cfg.run.fused)
                 weight = 0.0 if padding else stats["loss_tokens"] / max(round(counts["loss_tokens"]), 1)
@@ -92,7 +96,7 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
                      else {})
             last = log.log(step + 1, loss=stats_sum / max(tokens, 1), grad_norm=grad_norm,
                            lr=scheduler.get_last_lr()[0], tokens_per_s=round(counts["tokens"]) / elapsed,
-                           update_s=elapsed, loss_tokens=tokens, **probe)
+                           update_s=elapsed, loss_tokens=tokens, **checked, **probe)
             tally.add(last)
             bar.set_postfix(bar_figures(last, FINETUNE_FIGURES), refresh=False)
             every = ctx.cfg.run.checkpoint_every

@@ -40,6 +40,7 @@ from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import RLLossSettings, current_logprobs, reference_logprobs, rl_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
+from rcgrpo.training.parity import ParityOracle
 from rcgrpo.training.stage_verdict import RL_FIGURES, StageTally, bar_figures
 
 
@@ -357,7 +358,8 @@ def mini_batch_split(batch: PackedBatch | None, parts: int, seed: int) -> list[P
 
 
 def rl_step(ctx: RunContext, policy: TrainablePolicy, optimizer, scheduler, trajectories: Sequence[Trajectory],
-            settings: RLLossSettings, update: UpdateSettings, step: int = 0) -> dict[str, float]:
+            settings: RLLossSettings, update: UpdateSettings, step: int = 0,
+            parity: ParityOracle | None = None) -> dict[str, float]:
     """All optimizer steps of one rollout batch: `updates_per_batch` passes,
     each of `mini_batches` steps. Off-policy (more than one step) the old
     log-probs are the trainer's, computed once before the first update, so
@@ -374,7 +376,11 @@ def rl_step(ctx: RunContext, policy: TrainablePolicy, optimizer, scheduler, traj
     the KL term has no gradient either: beta 0, or a policy still equal to its
     reference (`policy.equals_reference`: loaded with it, no optimizer step yet).
     After the first update a zero-advantage batch with beta > 0 still trains
-    on its KL term (the paper's loss)."""
+    on its KL term (the paper's loss).
+
+    `parity` (the stage's tree parity oracle, rcgrpo.training.parity) checks
+    the first step that forwards (and every `model.parity_check_every`-th) on
+    its first micro-batch, before any pass of the step."""
     policy.train_mode(dropout=False)
     batch, advantages = prepare_batch(trajectories, ctx.device, update.advantage_estimator,
                                       update.informative_only)
@@ -387,6 +393,9 @@ def rl_step(ctx: RunContext, policy: TrainablePolicy, optimizer, scheduler, traj
     if not any_advantage and not kl_has_gradient:
         return out
     out["update_skipped"] = 0
+    if parity is not None and parity.due(step + 1):
+        # Before the old log-probs and the first update: every pass of the step uses the checked forward.
+        out.update(parity.check(step + 1, _micro_batches(ctx, policy, batch)))
     agreement = Agreement()
     tis = update.tis_cap is not None
     if not update.on_policy:
@@ -559,6 +568,8 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
     settings = RLLossSettings.from_config(g)
     conditioning = rl_rollout_conditioning(stage, finetune_stage, g.p_high)
     probe = RewardProbe(ctx, stage, policy, engine, entries, finetune_stage)
+    parity = ParityOracle(stage, policy, every=ctx.cfg.model.parity_check_every, fused=ctx.cfg.run.fused,
+                          temperature=settings.temperature)
     last = {}
     tally = StageTally(stage, rl=True)
     with ctx.metrics(stage, resume_step=start if start else None) as log:
@@ -606,7 +617,8 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
             # Dynamic sampling is single-process: its renumbered groups all lie in [lo, hi).
             rollouts = [r for r in rollouts if lo <= r.group < hi]
             t1 = time.perf_counter()
-            stats = rl_step(ctx, policy, optimizer, scheduler, to_trajectories(rollouts), settings, update, step)
+            stats = rl_step(ctx, policy, optimizer, scheduler, to_trajectories(rollouts), settings, update, step,
+                            parity)
             policy.eval_mode()
             t2 = time.perf_counter()
             evaluated = {}

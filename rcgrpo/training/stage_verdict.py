@@ -64,6 +64,15 @@ class StageTally:
             return None
         return f"{values[0]:.3g} -> {values[-1]:.3g}" if len(values) > 1 else f"{values[0]:.3g}"
 
+    def _parity(self) -> list[str]:
+        """The tree parity checks the stage ran (rcgrpo.training.parity), so
+        that their figure and their cost show at its end too."""
+        figures, seconds = self._values("tree_parity_max_abs"), self._values("tree_parity_s")
+        if not figures:
+            return []
+        checks = f"{len(figures)} check{'s' if len(figures) != 1 else ''}"
+        return [f"tree parity max {max(figures):.2g} nats ({checks}, {sum(seconds):.1f} s)"]
+
     def lines(self) -> list[str]:
         """The verdict, and a warning where the stage cannot have learned."""
         n = len(self.records)
@@ -72,7 +81,7 @@ class StageTally:
             return [f"{head} (nothing left to do)"]
         if not self.rl:
             loss = self._change("loss")
-            return [f"{head}; loss {loss}" if loss else head]
+            return ["; ".join([head] + ([f"loss {loss}"] if loss else []) + self._parity())]
         parts = [head]
         reward = self._change("reward_mean")
         if reward:
@@ -86,7 +95,7 @@ class StageTally:
         updated = sum(1 for v in skipped if v == 0)
         if skipped:
             parts.append(f"{updated} of {len(skipped)} steps updated the weights")
-        out = ["; ".join(parts)]
+        out = ["; ".join(parts + self._parity())]
         if not any(map(_informative, self.records)):
             out.append(f"[{self.stage}] WARNING: learned nothing from its rewards: in every step every group's "
                        "rollouts had equal rewards (no advantage, so no gradient from them); more rollouts per "

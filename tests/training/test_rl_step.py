@@ -420,8 +420,12 @@ def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base
         assert 0 <= r["logp_diff_abs_mean"] < 1e-4 and r["logp_diff_over_0.1_frac"] == 0.0
         assert r["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert {"seq_log_ratio_mean", "seq_log_ratio_abs_max", "tis_capped_frac"} <= set(r)
+    # The tree parity oracle checked the stage's first update (its group shares the prompt), and only it.
+    assert 0 <= rows[0]["tree_parity_max_abs"] <= rows[0]["tree_parity_bound"] == 1e-3
+    assert rows[0]["tree_parity_tokens"] == rows[0]["loss_tokens"] and "tree_parity_max_abs" not in rows[1]
     # The bar's last state carries the step's figures; the stage ends with its verdict.
     err = capsys.readouterr().err
+    assert err.count("[rc-grpo] tree parity at step 1: max |log p tree - log p dense| ") == 1
     assert "rc-grpo: 100%" in err and "reward=0, high=0, low=0, zero_var=1, kl=" in err
     assert "[rc-grpo] done: 2 steps; rollout reward 0 -> 0 (" in err and "2 of 2 steps updated the weights" in err
     # Reward 0 everywhere: the weights moved (its KL term), but not from any reward.

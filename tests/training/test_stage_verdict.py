@@ -56,3 +56,15 @@ def test_fine_tuning_and_a_stage_with_nothing_left():
     tally.add({"loss": 0.75})
     assert tally.lines() == ["[rctp] done: 2 steps; loss 2.5 -> 0.75"]
     assert StageTally("rc-grpo", rl=True).lines() == ["[rc-grpo] done: 0 steps (nothing left to do)"]
+
+
+def test_the_last_line_carries_the_tree_parity_checks():
+    tally = StageTally("rctp", rl=False)
+    tally.add({"loss": 2.5, "tree_parity_max_abs": 3e-6, "tree_parity_s": 0.5})
+    tally.add({"loss": 2.0})
+    assert tally.lines() == ["[rctp] done: 2 steps; loss 2.5 -> 2; tree parity max 3e-06 nats (1 check, 0.5 s)"]
+    rl = StageTally("grpo", rl=True)
+    for figure in (0.1, 0.3):
+        rl.add({"reward_mean": 0.5, "zero_var_frac": 0.5, "update_skipped": 0, "tree_parity_max_abs": figure,
+                "tree_parity_s": 1.0})
+    assert rl.lines()[0].endswith("; 2 of 2 steps updated the weights; tree parity max 0.3 nats (2 checks, 2.0 s)")
