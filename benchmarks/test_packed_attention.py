@@ -1,13 +1,13 @@
 """What the mask path's attention costs on CPU: torch's scaled-dot-product
-attention with an [M, M] mask (how ``rcgrpo.attention`` keeps packed
-sequences, and prefix-shared tails, apart without flash-attn) against the
-same sequences attended one by one with ``is_causal``.
+attention with an [M, M] mask (how ``rcgrpo.attention``'s eager path keeps
+packed sequences, and prefix-shared tails, apart) against the same sequences
+attended one by one with ``is_causal``.
 
 One masked call computes every query-key pair of the micro-batch, masked or
 not, so packing k unrelated sequences into one pass costs about k times the
 attention of those sequences apart. That ratio is what
-``rcgrpo.attention.SEGMENT_SDPA`` (one call per segment, what a policy's
-sdpa model runs) saves; ``eager`` still pays it.
+tree attention (``rcgrpo.tree_attention``, one call per node over the keys
+it may see, what a policy's sdpa model runs) saves; ``eager`` still pays it.
 
 Sizes (``benchmarks/scale.py``): quick, 4 sequences in 4,096 tokens; full,
 1, 2, 4 and 8 sequences and the same comparison inside the 135M model's
@@ -61,10 +61,10 @@ def test_masked_pass_against_separate_passes(benchmark, board, seqs):
 
 
 @pytest.mark.skipif(MODEL_SIZES is None, reason="the 135M model's attention check runs in the full sweep (--full)")
-def test_segments_against_one_masked_call_on_the_135m_model(benchmark, board):
+def test_tree_against_one_masked_call_on_the_135m_model(benchmark, board):
     """The 135M model, forward and backward over one micro-batch of four
     prompt groups (a 1,500-token prompt and two 100-token replies each, the
-    prompts forwarded once): SEGMENT_SDPA against the same forward with one
+    prompts forwarded once): tree attention against the same forward with one
     masked SDPA call per layer (sdpa outside a policy). Smoke size: 64 and 8."""
     from transformers import AutoModelForCausalLM
 
@@ -98,16 +98,16 @@ def test_segments_against_one_masked_call_on_the_135m_model(benchmark, board):
         model = load()  # plain sdpa: decoder_hidden_states passes the [M, M] mask
         return timed(lambda: decoder_hidden_states(model.model, model.config, torch.float32, batch), model)
 
-    def segments():
-        policy = TrainablePolicy(load())  # its sdpa runs as SEGMENT_SDPA
+    def tree():
+        policy = TrainablePolicy(load())  # its sdpa runs under tree attention
         return timed(lambda: policy.lm.hidden_states(batch), policy.model)
 
     def both():
-        return {"masked_s": one_masked_call(), "segments_s": segments()}
+        return {"masked_s": one_masked_call(), "tree_s": tree()}
 
     result = benchmark.pedantic(both, rounds=1, iterations=1)
     benchmark.extra_info.update(result)
-    board.record(Comparison(group="attention", name="135M fwd+bwd, 4 prompt groups", ours="SEGMENT_SDPA (policy)",
-                            peer="one masked SDPA call per layer", ours_s=result["segments_s"],
+    board.record(Comparison(group="attention", name="135M fwd+bwd, 4 prompt groups", ours="tree attention (policy)",
+                            peer="one masked SDPA call per layer", ours_s=result["tree_s"],
                             peer_s=result["masked_s"], per="forward + backward", max_time_ratio=1.0,
                             shape=f"cpu fp32 135M, {batch.num_tokens} packed tokens, prompts forwarded once"))

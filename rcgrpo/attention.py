@@ -6,39 +6,31 @@ keep packed sequences apart in transformers: with the model's default
 sequences attend to each other. ``decoder_hidden_states`` therefore keeps
 them apart explicitly:
 
-* ``sdpa`` (CPU, and GPUs without flash-attn): the policy's models run
-  ``SEGMENT_SDPA``, torch's SDPA called once per segment of the batch (a
-  sequence, or the tail of one that shares a prefix) over just the keys
-  that segment may see. One SDPA call with an [N, N] mask computes every
-  query-key pair, masked or not (``benchmarks/test_packed_attention.py``:
-  8 sequences in 4,096 tokens cost 7-8x), and on CPU keeps an [N, N] float
-  copy per layer for the backward pass.
-* ``eager``: an additive [N, N] mask (a bool mask would be added as 0/1).
-* flash-attn (GPU): varlen ``cu_seqlens``, where an N x N mask is too big.
+* ``sdpa`` and ``flash_attention_2``: the policy's models run under tree
+  attention (``use_tree_attention``; ``rcgrpo.tree_attention``): the
+  micro-batch's prefix tree, each node attending to the rows its path may
+  see, in one varlen call (flash-attn) or one SDPA call per node (any
+  device). No N x N mask; with ``share_prefixes`` off the tree is every
+  sequence on its own, i.e. plain varlen packing.
+* ``eager``: an additive [N, N] mask (a bool mask would be added as 0/1);
+  for debugging and tests, not for speed.
 
-On the first two the prompt prefix a group's sequences share is forwarded
-once (``rcgrpo.prefix_sharing``).
+On both the prompt prefix a micro-batch's sequences share is forwarded once
+(``rcgrpo.prefix_sharing``).
 """
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from rcgrpo.batch import PackedBatch
-from rcgrpo.prefix_sharing import SharedPrefixLayout, shared_prefix_layout
+from rcgrpo.prefix_sharing import shared_prefix_layout
+from rcgrpo.tree_attention import tree_attention, tree_attention_plan
 
 __all__ = ["block_causal_mask", "additive_mask", "default_attn_implementation", "uses_varlen_attention",
-           "SEGMENT_SDPA", "use_segment_sdpa", "AttentionSegment", "segment_plan", "decoder_hidden_states"]
-
-# The name the policy's sdpa models run under (registered with transformers'
-# attention and mask interfaces): SDPA per segment when a forward passes a
-# `segment_plan`, plain SDPA otherwise (generation, any other caller).
-SEGMENT_SDPA = "rcgrpo_segment_sdpa"
-
+           "TREE_PREFIX", "use_tree_attention", "decoder_hidden_states"]
 
 def block_causal_mask(cu_seqlens: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """[1, 1, N, N] bool: True where query i may attend key j (same sequence, j <= i).
@@ -76,74 +68,41 @@ def uses_varlen_attention(config) -> bool:
     return "flash" in str(getattr(config, "_attn_implementation", "") or "")
 
 
-@dataclass(frozen=True)
-class AttentionSegment:
-    """One SDPA call: queries ``rows[0]:rows[1]`` of the forwarded tokens
-    attend to keys ``keys_from:rows[1]`` under ``mask`` ([1, 1, q, k] bool),
-    or causally to their own rows when ``mask`` is None (a root)."""
-
-    rows: tuple[int, int]
-    keys_from: int
-    mask: Optional[torch.Tensor]
+# The names a policy's models run under: tree attention (rcgrpo.tree_attention)
+# when a forward passes a `tree_plan`, the base implementation otherwise.
+TREE_PREFIX = "rcgrpo_tree:"
+TREE_BASES = ("sdpa", "flash_attention_2")
 
 
-def segment_plan(layout: SharedPrefixLayout, position_ids: torch.Tensor) -> list[AttentionSegment]:
-    """The SDPA calls of one packed forward, a segment each, in row order.
+def _tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, tree_plan=None, *, base: str, **kwargs):
+    """transformers' attention-function signature ([B, H, T, D] in, [B, T, H, D] out)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    A root attends to itself causally (SDPA's causal kernel, no mask). A
-    branch attends to the key rows from its earliest ancestor's first row to
-    its own last (a slice, so the keys are views, never copies), with the
-    layout's visibility over that range as its mask. What it computes beyond
-    the pairs it needs is the segments in between: sibling branches (tails
-    of a few hundred tokens) or, for a branch off another group's prompt
-    (BFCL's 149-token preamble), the groups between the two. Never more
-    pairs than one [M, M] masked call; gathering just the visible rows for
-    such branches would cut the rest."""
-    plan = []
-    for q, (lo, hi) in enumerate(layout.segment_rows):
-        ancestors = [a for a in torch.nonzero(layout.visible[q]).reshape(-1).tolist() if a != q]
-        if not ancestors:
-            plan.append(AttentionSegment((lo, hi), lo, None))
-            continue
-        first = layout.segment_rows[min(ancestors)][0]
-        mask = layout.visibility(q, position_ids, first, hi)
-        plan.append(AttentionSegment((lo, hi), first, mask[None, None]))
-    return plan
+    if tree_plan is None:
+        return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, dropout=dropout,
+                                             scaling=scaling, **kwargs)
+    backend = "flash" if base.startswith("flash") else "sdpa"
+    return tree_attention(tree_plan, query, key, value, backend, scale=scaling, dropout=dropout), None
 
 
-def _segment_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                            scaling: float | None = None, segment_plan: list[AttentionSegment] | None = None,
-                            **kwargs):
-    """transformers' attention-function signature ([B, H, T, D] in, [B, T, H, D]
-    out). Without a plan: transformers' own SDPA, unchanged."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def use_tree_attention(config) -> None:
+    """Run a model whose attention is sdpa or flash_attention_2 under tree
+    attention (registered once per base; any other implementation is left
+    as it is). Its masks are the base's, so callers that pass no plan (e.g.
+    ``generate`` with padding) compute exactly what the base computes."""
+    import functools
 
-    if segment_plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    outs = []
-    for part in segment_plan:
-        lo, hi = part.rows
-        outs.append(F.scaled_dot_product_attention(
-            query[:, :, lo:hi], key[:, :, part.keys_from:hi], value[:, :, part.keys_from:hi],
-            attn_mask=part.mask, is_causal=part.mask is None, dropout_p=dropout, scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1]))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-
-
-def use_segment_sdpa(config) -> None:
-    """Run a transformers model whose attention is ``sdpa`` under
-    ``SEGMENT_SDPA`` (registered once; any other implementation is left as
-    it is). Its masks are built as for sdpa, so callers that pass no plan
-    (e.g. ``generate`` with padding) compute exactly what sdpa computes."""
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    base = getattr(config, "_attn_implementation", None)
+    if base not in TREE_BASES:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(SEGMENT_SDPA, _segment_sdpa_attention)  # idempotent: a dict entry
-    AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)
-    config._attn_implementation = SEGMENT_SDPA
+    name = TREE_PREFIX + base
+    AttentionInterface.register(name, functools.partial(_tree_attention_forward, base=base))  # a dict entry
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    config._attn_implementation = name
 
 
 def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, batch: PackedBatch,
@@ -151,29 +110,31 @@ def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, ba
     """Final hidden states [N, H] of a transformers decoder (the causal LM
     without its head) on a packed batch, with ``use_cache=False``:
 
-    * flash-attn implementations (GPU): ``position_ids`` plus explicit varlen
-      kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``), no N x N mask;
-    * ``SEGMENT_SDPA`` (what ``sdpa`` runs as in a policy): one SDPA call
-      per segment (``segment_plan``);
+    * tree attention (what ``sdpa`` and ``flash_attention_2`` run as in a
+      policy, ``use_tree_attention``): the forwarded rows and a
+      ``tree_plan`` (``rcgrpo.tree_attention``), no N x N mask;
+    * flash-attn outside a policy: ``position_ids`` plus explicit varlen
+      kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``), nothing shared;
     * ``sdpa`` / ``eager`` otherwise: an additive [M, M] mask in
       ``mask_dtype`` (``eager`` would add a bool mask as 0/1; ``sdpa``'s CPU
       kernel would convert a bool mask to a float copy in every layer).
 
-    With `share_prefixes` (all but flash-attn), each shared prompt prefix is
-    forwarded once (``rcgrpo.prefix_sharing``) and its rows read by every
-    sequence that has it.
+    With `share_prefixes` (all but flash-attn outside a policy), each shared
+    prompt prefix is forwarded once (``rcgrpo.prefix_sharing``) and its rows
+    read by every sequence that has it.
 
     Other implementations (e.g. flex_attention) are refused rather than
     silently mixing sequences.
     """
     device = batch.input_ids.device
     impl = str(getattr(config, "_attn_implementation", "") or "sdpa")
-    if uses_varlen_attention(config):
+    tree = impl.startswith(TREE_PREFIX)
+    if uses_varlen_attention(config) and not tree:
         cu = batch.cu_seqlens.to(device=device, dtype=torch.int32)
         out = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False,
                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
         return out.last_hidden_state[0]
-    if impl not in ("sdpa", "eager", SEGMENT_SDPA):
+    if impl not in ("sdpa", "eager") and not tree:
         raise ValueError(
             f"packed forward: attention implementation {impl!r} is not supported; "
             "use 'sdpa' or 'eager' (CPU) or 'flash_attention_2' (GPU)"
@@ -183,11 +144,11 @@ def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, ba
         # fused kernel with no [M, M] tensor at all.
         out = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False)
         return out.last_hidden_state[0]
-    if impl == SEGMENT_SDPA:
+    if tree:
         layout = shared_prefix_layout(batch, share=share_prefixes)
         ids, pos = batch.input_ids[layout.keep], batch.position_ids[layout.keep]
         out = decoder(input_ids=ids[None], position_ids=pos[None], use_cache=False,
-                      segment_plan=segment_plan(layout, pos))
+                      tree_plan=tree_attention_plan(layout, pos))
         return out.last_hidden_state[0][layout.expand]
     if share_prefixes:
         layout = shared_prefix_layout(batch)

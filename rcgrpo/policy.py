@@ -47,8 +47,7 @@ from rcgrpo import distributed
 from rcgrpo.attention import (
     decoder_hidden_states,
     default_attn_implementation,
-    use_segment_sdpa,
-    uses_varlen_attention,
+    use_tree_attention,
 )
 from rcgrpo.batch import PackedBatch
 
@@ -68,9 +67,9 @@ class PackedLM:
         self._decoder, self._config, self._head_weight = decoder, config, head_weight
         self.compute_dtype = compute_dtype
         self._autocast_device = autocast_device  # None: parameters already are in the compute dtype
-        use_segment_sdpa(config)  # sdpa: one call per packed segment, not an [N, N] mask
-        # Prefix sharing needs a mask or segments; the varlen kernel takes boundaries only.
-        self.shares_prefixes = share_prefixes and not uses_varlen_attention(config)
+        # sdpa / flash-attn: the micro-batch's prefix tree in one varlen call, no [N, N] mask
+        use_tree_attention(config)
+        self.shares_prefixes = share_prefixes
 
     def _autocast(self):
         if self._autocast_device is None:

@@ -16,7 +16,13 @@ carried wheels offline first. Sized for one H200 and at most 6 minutes:
 3. a train step (forward, backward, AdamW) of a randomly initialised model
    with Qwen2.5-0.5B's layer shapes and one with Qwen2.5-7B's (2 layers),
    packed multi-sequence micro-batches, fused vs reference: tokens/s, peak.
-4. with the time that is left, tests/kernels on CUDA (every kernel family
+4. tree attention (shared prefixes) vs dense at Qwen2.5-7B's layer shapes
+   (2 layers, random init, bf16 autocast): an RC-GRPO group of G = 5 rollouts
+   below a ~5k-token shared prompt, 5 x 300-token replies; forward +
+   backward time, peak memory, and the parity figure (max |log-prob
+   difference| on the reply tokens), on the back end this device has
+   (flash-attn varlen, else SDPA per node).
+5. with the time that is left, tests/kernels on CUDA (every kernel family
    at small shapes; the CPU-only compile test excluded), stopped at the budget.
 
 After every case the summary JSON is rewritten (``$GPU_CHECK_OUT``, default
@@ -382,7 +388,70 @@ def train_step_case(rec, kind, device, dry, seqs, seq_len, micro_tokens):
     model = policy = opt = None  # frees the model before the next case (step() holds these names)
 
 
-# ------------------------------------------------- 4. the kernel unit tests
+# ------------------------------------------------------- 4. tree attention
+def tree_attention_case(rec, device, dry):
+    """One G = 5 group below a shared prompt: tree (prefix forwarded once) vs
+    dense (every sequence whole), forward + backward of the reply tokens' log-probs."""
+    from transformers import Qwen2ForCausalLM
+
+    from rcgrpo.attention import default_attn_implementation
+    from rcgrpo.batch import Trajectory, pack
+    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.prefix_sharing import forwarded_tokens
+
+    cfg = qwen_config("7B-2layers", dry)
+    group, prompt_len, reply_len = (5, 60, 12) if dry else (5, 5000, 300)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, cfg.vocab_size - 2, (prompt_len,), generator=g).tolist()
+    trajs = []
+    for i in range(group):  # the two reward tokens' branches below the shared prompt, then the reply
+        tag = [cfg.vocab_size - 2 + i % 2]
+        reply = torch.randint(0, cfg.vocab_size, (reply_len,), generator=g).tolist()
+        ids = prompt + tag + reply
+        trajs.append(Trajectory(ids, [0] * (len(ids) - reply_len) + [1] * reply_len, group=0))
+    batch = pack(trajs).to(device)
+    attn = default_attn_implementation(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    compute = torch.bfloat16 if device == "cuda" else torch.float32
+    mask = batch.loss_mask
+    out, logps = {}, {}
+    for path, share in (("tree", True), ("dense", False)):
+        policy = TrainablePolicy(model, compute_dtype=compute, share_prefixes=share)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            hidden = policy.lm.hidden_states(batch)
+            logp = rcgrpo_kernels.fused_linear_logprobs(hidden[mask], policy.lm.lm_head_weight(), batch.targets[mask])
+            (-logp.mean()).backward()
+            return logp.detach().float()
+
+        try:
+            t, peak, logps[path] = timed(step, reps=2)
+            out[path] = dict(seconds=round(t, 3), peak_gib=None if peak is None else round(peak, 2),
+                             forwarded_tokens=forwarded_tokens(batch, share))
+        except torch.cuda.OutOfMemoryError as e:
+            out[path] = dict(error=f"out of memory: {str(e)[:200]}")
+        print(f"  tree attention {path:6} {out[path]}", flush=True)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    rec.update(attention=str(model.config._attn_implementation), backend="flash" if "flash" in attn else "sdpa",
+               tokens=batch.num_tokens, loss_tokens=int(mask.sum()), sequences=batch.num_seqs, paths=out)
+    if len(logps) == 2:
+        rec["parity_max_abs_logp"] = float((logps["tree"] - logps["dense"]).abs().max())
+        # bf16 compute rounds differently when a prefix is forwarded once; fp32 (the dry run) agrees tightly
+        bound = 0.1 if compute == torch.bfloat16 else 1e-4
+        rec["parity_bound"] = bound
+        assert rec["parity_max_abs_logp"] <= bound, f"tree vs dense log-probs differ by {rec['parity_max_abs_logp']}"
+    if "seconds" in out.get("tree", {}) and "seconds" in out.get("dense", {}):
+        rec["time_ratio_tree_over_dense"] = round(out["tree"]["seconds"] / out["dense"]["seconds"], 3)
+        if out["tree"]["peak_gib"] is not None and out["dense"]["peak_gib"]:
+            rec["memory_ratio_tree_over_dense"] = round(out["tree"]["peak_gib"] / out["dense"]["peak_gib"], 3)
+    model = policy = None
+
+
+# ------------------------------------------------- 5. the kernel unit tests
 def kernel_tests_case(rec, out_dir, dry, seconds_left):
     """pytest tests/kernels in a subprocess, stopped before the budget ends.
     A dry run takes one test file (the suite itself runs in `make test`)."""
@@ -469,7 +538,14 @@ def main():
                 else:
                     train_step_case(rec, kind, device, dry, seqs=16, seq_len=1024, micro_tokens=4096)
                 s.data["train_step"][kind] = {k: rec.get(k) for k in ("paths", "fused_speedup", "attention")}
-    print("== 4. tests/kernels on CUDA (time permitting)", flush=True)
+    print("== 4. tree attention vs dense (shared prompt, G = 5)", flush=True)
+    with s.case("tree_attention_7B-2layers", "tree_attention", min_left_s=0 if dry else 45) as rec:
+        if rec is not None:
+            tree_attention_case(rec, device, dry)
+            s.data["tree_attention"] = {k: rec.get(k) for k in ("backend", "paths", "parity_max_abs_logp",
+                                                              "time_ratio_tree_over_dense",
+                                                              "memory_ratio_tree_over_dense")}
+    print("== 5. tests/kernels on CUDA (time permitting)", flush=True)
     with s.case("tests_kernels_on_device", "extra", min_left_s=0 if dry else 60) as rec:
         if rec is not None:
             kernel_tests_case(rec, Path(a.out), dry, s.left())
@@ -491,6 +567,8 @@ def print_table(d):
             print(f"    {p:24} {r}")
     for kind, r in d["train_step"].items():
         print(f"  train step {kind}: {json.dumps(r)}")
+    if d.get("tree_attention"):
+        print(f"  tree attention vs dense: {json.dumps(d['tree_attention'])}")
     print(f"  bf16 matmul: {t.get('bf16_matmul_tflops')} TFLOP/s; attention: {d['environment'].get('attention')}")
     print(f"verdict: {d['verdict']}  ({d['elapsed_s']} s)")
 

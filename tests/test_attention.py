@@ -121,11 +121,11 @@ def test_eager_with_bool_mask_is_wrong():
     assert (wrong - separate).abs().max() > 1e-2
 
 
-def test_a_policy_runs_sdpa_per_segment_and_plain_calls_stay_sdpa():
-    """Inside a policy an sdpa model runs SEGMENT_SDPA; a call without a
-    segment plan (here: generate over a left-padded batch) computes what
-    sdpa computes."""
-    from rcgrpo.attention import SEGMENT_SDPA
+def test_a_policy_runs_sdpa_as_tree_attention_and_plain_calls_stay_sdpa():
+    """Inside a policy an sdpa model runs under tree attention; a call
+    without a tree plan (here: generate over a left-padded batch) computes
+    what sdpa computes."""
+    from rcgrpo.attention import TREE_PREFIX
 
     model = _tiny_llama("sdpa")
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
@@ -138,7 +138,7 @@ def test_a_policy_runs_sdpa_per_segment_and_plain_calls_stay_sdpa():
 
     before = greedy()
     TrainablePolicy(model)
-    assert model.config._attn_implementation == SEGMENT_SDPA
+    assert model.config._attn_implementation == TREE_PREFIX + "sdpa"
     after = greedy()
     assert torch.equal(after.sequences, before.sequences)
     for a, b in zip(after.scores, before.scores):

@@ -137,7 +137,7 @@ def _loss_and_grads(model, batch, share):
 
 @pytest.mark.parametrize("attn,checkpointing", [("sdpa", False), ("eager", False), ("sdpa", True)])
 def test_shared_forward_and_backward_equal_separate_sequences(attn, checkpointing):
-    """sdpa runs as SEGMENT_SDPA inside a policy (one call per segment),
+    """sdpa runs under tree attention inside a policy (one call per node),
     eager with the [M, M] mask; with gradient checkpointing the recomputed
     forward takes the same calls."""
     model = _tiny_llama(attn)
@@ -158,12 +158,15 @@ def test_shared_forward_and_backward_equal_separate_sequences(attn, checkpointin
         assert torch.allclose(shared_g[name], g, rtol=1e-4, atol=1e-5), name
 
 
-def test_flash_attention_varlen_does_not_share():
+def test_flash_attention_shares_under_tree_attention():
+    """flash-attn's varlen kernel runs the prefix tree too (tests/test_tree_attention.py
+    checks its call on CPU); the setting alone turns sharing off."""
+    from rcgrpo.attention import TREE_PREFIX
+
     model = _tiny_llama("sdpa")
     model.config._attn_implementation = "flash_attention_2"
-    assert not TrainablePolicy(model).lm.shares_prefixes
-    model.config._attn_implementation = "sdpa"
     assert TrainablePolicy(model).lm.shares_prefixes
+    assert model.config._attn_implementation == TREE_PREFIX + "flash_attention_2"
     assert not TrainablePolicy(model, share_prefixes=False).lm.shares_prefixes
 
 

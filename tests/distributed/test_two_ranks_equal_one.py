@@ -1,7 +1,9 @@
 """2 ranks (FSDP2 over gloo) and 1 plain process make the same RC-GRPO update
 on the same global batch: rollouts fixed in a file, groups split by rank, the
 ranks with different micro-batch counts (lock-step padding), a KL reference
-sharded too. Adam's first step moves every weight by ~lr whatever the
+sharded too. The one process forwards every sequence whole and the ranks
+forward each group's shared prompt once (tree attention under FSDP2), so the
+equality also holds the tree to the dense forward and backward. Adam's first step moves every weight by ~lr whatever the
 gradient's scale, so the scale is checked through the logged loss and the
 global gradient norm, and the direction through the updated weights."""
 import json
@@ -21,13 +23,14 @@ def test_two_ranks_make_the_one_process_update(tmp_path, tokenizer, model_dir):
     from safetensors.torch import load_file
 
     rollouts = build_rollouts(tokenizer, tmp_path / "rollouts.jsonl")
-    one = python(WORKER + [str(rollouts), str(tmp_path / "one")])
+    one = python(WORKER + [str(rollouts), str(tmp_path / "one"), "float32", "", "false"])  # dense
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(2, WORKER + [str(rollouts), str(tmp_path / "two")])
+    two = torchrun(2, WORKER + [str(rollouts), str(tmp_path / "two")])  # tree (share_prefixes, the default)
     assert two.returncode == 0, two.stderr[-3000:]
 
     a, b = (json.loads((tmp_path / d / "stats.json").read_text()) for d in ("one", "two"))
     assert a["loss_tokens"] == b["loss_tokens"] > 0 and a["batch_tokens"] == b["batch_tokens"]
+    assert b["forward_tokens"] < a["forward_tokens"] == a["batch_tokens"]  # the ranks shared, the process did not
     assert abs(a["loss"]) > 1e-4  # the reference differs from the policy: a real KL term
     assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]) + 1e-7, (a["loss"], b["loss"])
     assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])

@@ -4,10 +4,12 @@ global counts and lock-step micro-batches, FSDP sharding of the policy and
 the reference, global-norm clipping, the weight stream). Rank 0 writes the
 logged statistics and the updated full weights.
 
-    python -m tests.distributed.update_worker ROLLOUTS.jsonl OUT_DIR [COMPUTE_DTYPE [MODEL]]
-    torchrun --nproc_per_node 2 -m tests.distributed.update_worker ROLLOUTS.jsonl OUT_DIR [COMPUTE_DTYPE [MODEL]]
+    python -m tests.distributed.update_worker ROLLOUTS.jsonl OUT_DIR [COMPUTE_DTYPE [MODEL [SHARE]]]
+    torchrun --nproc_per_node 2 -m tests.distributed.update_worker ROLLOUTS.jsonl OUT_DIR [COMPUTE_DTYPE [MODEL [SHARE]]]
 
-MODEL: a token-extended model folder (default: the embedded SmolLM2).
+MODEL: a token-extended model folder (default, or "": the embedded SmolLM2).
+SHARE: model.share_prefixes, "true" (default: tree attention, each shared
+prompt forwarded once) or "false" (every sequence forwarded whole).
 Also builds the rollouts file: short real conversations of the small model's
 tokenizer, G per prompt with different rewards (non-zero advantages), and
 lengths that give the ranks different micro-batch counts.
@@ -49,7 +51,8 @@ def build_rollouts(tokenizer, path: Path, groups: int = 4) -> Path:
     return path
 
 
-def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str | None = None) -> int:
+def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str | None = None,
+         share_prefixes: str = "true") -> int:
     from rcgrpo import distributed
     from rcgrpo.batch import Trajectory
     from rcgrpo.config import parse_args
@@ -63,9 +66,9 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
     with distributed.guarded():
         distributed.init("cpu", timeout_s=120)
         torch.manual_seed(0)
-        cfg = parse_args(["--fused", "--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS), "--model.dtype", dtype],
-                         check_files=False)
-        folder = resolve_model_folder(model_folder)
+        cfg = parse_args(["--fused", "--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS), "--model.dtype", dtype,
+                          "--model.share_prefixes", share_prefixes], check_files=False)
+        folder = resolve_model_folder(model_folder or None)
         # As a stage loads it: fp32 master weights, `dtype` compute, a frozen
         # reference; FSDP2 shards (with the mixed-precision policy) under torchrun.
         policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=True)
@@ -101,4 +104,4 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:5]))
+    sys.exit(main(*sys.argv[1:6]))
