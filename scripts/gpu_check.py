@@ -136,7 +136,7 @@ def environment():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     impl = default_attn_implementation(dev)
     env["attention"] = impl + ("" if impl.startswith("flash") else
-                               " (flash-attn missing: packed micro-batches run sdpa once per segment)")
+                               " (flash-attn missing: tree attention runs one SDPA call per node)")
     return env
 
 
