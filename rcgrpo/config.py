@@ -138,9 +138,9 @@ class ModelConfig:
     )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory", resume_safe=True)
     share_prefixes: bool = _f(
-        True, "forward the prompt prefix a micro-batch's sequences share once (sdpa/eager; flash-attn varlen "
-        "forwards every sequence whole): same hidden states and gradients, a group's prompt computed once; checked "
-        "against the dense forward by each stage (parity_check_every)",
+        True, "forward the prompt prefix a micro-batch's sequences share once, attended as a tree (sdpa, "
+        "flash-attn varlen; eager with a mask): same hidden states and gradients, a group's prompt computed once; "
+        "checked against the dense forward by each stage (parity_check_every)",
         resume_safe=True,
     )
     parity_check_every: int = _f(

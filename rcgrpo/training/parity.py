@@ -65,7 +65,7 @@ __all__ = ["PARITY_BOUNDS", "PARITY_METRICS", "TreeParityError", "parity_bound",
 
 # Max |log p_tree - log p_dense| over one micro-batch's loss tokens (nats),
 # per compute dtype. Both forwards compute the same sums in differently
-# shaped calls (an attention call per segment over another key range; GEMMs
+# shaped calls (an attention call per tree node over gathered keys; GEMMs
 # over another number of rows), so only the order of float additions
 # differs. Measured on the 135M model (30 layers; benchmarks/tree_parity.py,
 # a BFCL group of four sequences, 600 loss tokens):
@@ -153,7 +153,7 @@ class ParityOracle:
         self._said_unshared = False
         if not policy.lm.shares_prefixes:
             log_line(f"[{stage}] tree parity: not checked: this stage forwards every sequence whole "
-                     "(model.share_prefixes false, or flash-attn varlen)")
+                     "(model.share_prefixes false)")
 
     def due(self, step: int) -> bool:
         """Step `step` (as logged, from 1) is checked: the stage forwards with
