@@ -2,7 +2,7 @@
 
     pytest benchmarks/ --benchmark-only            # quick: each comparison once (8.7 min on 2 idle cores)
     pytest benchmarks/ --benchmark-only --full     # every shape and setting, the overhead study (30.7 min)
-    pytest benchmarks/ --benchmark-only --smoke    # every path once at tiny sizes (CI; no targets; 3.9 min)
+    pytest benchmarks/ --benchmark-only --smoke    # every path once at tiny sizes (CI; no targets; 5.7 min)
 
 Unless told otherwise, pytest-benchmark's own storage keeps every run
 (``--benchmark-autosave``: ``.benchmarks/<machine>/NNNN_<commit>_<time>.json``;
