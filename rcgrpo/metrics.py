@@ -87,6 +87,17 @@ class MetricsFileError(UserError, RuntimeError):
     """The metrics file is missing or unreadable (the message says where)."""
 
 
+def is_number(value: Any) -> bool:
+    """A metric value that is a number: an int or float, not a bool (NaN and
+    inf included: metrics.jsonl keeps them)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value: Any) -> bool:
+    """A metric value that can be plotted, averaged or sent to a tracker."""
+    return is_number(value) and math.isfinite(value)
+
+
 def _plain(value: Any) -> Any:
     """Tensors / numpy scalars -> Python numbers, so json can write them."""
     if hasattr(value, "item") and callable(value.item):
@@ -227,8 +238,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._trackers:
-            scalars = {k: v for k, v in values.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+            scalars = {k: v for k, v in values.items() if is_finite_number(v)}
             for tracker in self._trackers:
                 tracker.log(scalars, int(step))
         return record

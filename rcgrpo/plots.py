@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rcgrpo.metrics import is_number
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.stages import FINETUNE_STAGES, RL_STAGES
 
@@ -125,10 +126,6 @@ SPEED_PANELS = (
 # ------------------------------------------------------------------ records
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _stage_name(stage: Optional[str]) -> str:
     return stage or "run"
 
@@ -138,7 +135,7 @@ def _series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[fl
     out: dict[str, tuple[list[int], list[float]]] = {}
     for r in records:
         v = r.get(key)
-        if _number(v) and not math.isinf(v):
+        if is_number(v) and not math.isinf(v):
             xs, ys = out.setdefault(_stage_name(r.get("stage")), ([], []))
             xs.append(r["step"])
             ys.append(float(v))

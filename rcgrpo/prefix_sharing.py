@@ -26,8 +26,9 @@ its row in the forwarded tokens, so the hidden states come back in the
 batch's own layout (``rcgrpo.attention.decoder_hidden_states``), and the
 losses, log-probs and their per-sequence normalisers see the batch as packed.
 
-Sharing needs an attention mask; flash-attn's varlen kernel (GPU) takes only
-sequence boundaries, so there the batch is forwarded as packed.
+Attention over the tree is ``rcgrpo.tree_attention``: each node's queries over
+a gather of the rows its path may see, one varlen call (flash-attn on CUDA,
+one SDPA call per node elsewhere); ``eager`` takes the layout's [M, M] mask.
 """
 from __future__ import annotations
 

@@ -18,7 +18,6 @@ long_context / overall (+ the mean of categories), in %.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -28,7 +27,14 @@ from rcgrpo import json_input
 from rcgrpo.atomic import atomic_write_text
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.errors import UserError
-from rcgrpo.metrics import METRICS_FILE, STANDARD_METRICS, MetricsFileError, read_records
+from rcgrpo.metrics import (
+    METRICS_FILE,
+    STANDARD_METRICS,
+    MetricsFileError,
+    is_finite_number,
+    is_number,
+    read_records,
+)
 from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 __all__ = ["write_report", "plot_metrics", "eval_table_markdown", "learning_summary", "ReportError", "main"]
@@ -47,19 +53,11 @@ class ReportError(UserError, RuntimeError):
     """The run folder lacks what a report needs (the message says what)."""
 
 
-def _numeric(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _finite(v) -> bool:
-    return _numeric(v) and math.isfinite(v)
-
-
 def _numeric_keys(records: list[dict]) -> list[str]:
     seen: dict[str, None] = {}
     for r in records:
         for k, v in r.items():
-            if k not in ("step", "time") and _numeric(v):
+            if k not in ("step", "time") and is_number(v):
                 seen.setdefault(k, None)
     known = [k for k in STANDARD_METRICS if k in seen]
     return known + sorted(k for k in seen if k not in STANDARD_METRICS)
@@ -82,7 +80,7 @@ def plot_metrics(records: list[dict], out_dir: str | os.PathLike, run_name: str 
 
 
 def _pct(x) -> str:
-    return "-" if x is None or not _numeric(x) else f"{x:.2f}"
+    return "-" if x is None or not is_number(x) else f"{x:.2f}"
 
 
 def eval_table_markdown(rows: Sequence[dict], default_method: str = "this run") -> str:
@@ -96,8 +94,8 @@ def eval_table_markdown(rows: Sequence[dict], default_method: str = "this run") 
         cats = row.get("categories") or {}
         values = [cats.get(c) for c in CATEGORIES] + [row.get("overall"), row.get("macro")]
         # Fractions are the documented form; a row already in % is left as is.
-        scale = 1.0 if any(_numeric(v) and v > 1.0 for v in values) else 100.0
-        cells = [_pct(v * scale if _numeric(v) else None) for v in values]
+        scale = 1.0 if any(is_number(v) and v > 1.0 for v in values) else 100.0
+        cells = [_pct(v * scale if is_number(v) else None) for v in values]
         lines.append(f"| {row.get('method') or default_method} | " + " | ".join(cells) + " |")
         ns = ns or (row.get("n") if isinstance(row.get("n"), dict) else {})
     if ns:
@@ -139,7 +137,7 @@ def _stage_summary(records: list[dict]) -> list[str]:
         lines.append("| metric | first | last | min | max |")
         lines.append("|---|---|---|---|---|")
         for key in _numeric_keys(recs):
-            ys = [float(r[key]) for r in recs if _numeric(r.get(key)) and math.isfinite(r[key])]
+            ys = [float(r[key]) for r in recs if is_finite_number(r.get(key))]
             if ys:
                 lines.append(f"| {key} | {ys[0]:.4g} | {ys[-1]:.4g} | {min(ys):.4g} | {max(ys):.4g} |")
         lines.append("")
@@ -159,7 +157,7 @@ def learning_summary(records: list[dict]) -> list[str]:
     for r in records:
         stages.setdefault(r.get("stage"), []).append(r)
     for stage, recs in stages.items():
-        steer = [r for r in recs if all(_finite(r.get(k)) for k in ("steer", "p_expert_high", "p_expert_low"))]
+        steer = [r for r in recs if all(is_finite_number(r.get(k)) for k in ("steer", "p_expert_high", "p_expert_low"))]
         if len(steer) > 1:
             a, b = steer[0], steer[-1]
             lines.append(f"[{stage}] steer at the first divergent token: {a['steer']:+.3f} nats (step {a['step']}) "
@@ -167,8 +165,8 @@ def learning_summary(records: list[dict]) -> list[str]:
                          f"{b['p_expert_high']:.2f} / {b['p_expert_low']:.2f}")
         for name in ("high", "low", "none"):
             key = f"sampled_reward_{name}"
-            probes = [r for r in recs if _finite(r.get(key)) and 0 <= r[key] <= 1 and _finite(r.get(f"{key}_n"))
-                      and r[f"{key}_n"] >= 1]
+            probes = [r for r in recs if is_finite_number(r.get(key)) and 0 <= r[key] <= 1
+                      and is_finite_number(r.get(f"{key}_n")) and r[f"{key}_n"] >= 1]
             if len(probes) < 2:
                 continue
             first, last = (Rate(round(p[key] * p[f"{key}_n"]), int(p[f"{key}_n"])) for p in (probes[0], probes[-1]))

@@ -51,6 +51,9 @@ class TreeAttentionPlan:
         cu_seqlens_q: [nodes + 1] int32, node boundaries among the forwarded rows.
         cu_seqlens_k: [nodes + 1] int32, node boundaries in ``key_index``.
         max_seqlen_q, max_seqlen_k: the longest node, the longest key sequence.
+        gathers: False when no node has an ancestor (nothing shared: every
+            node a whole sequence), so ``key_index`` is every row in order and
+            the keys are used as they are, with no copy.
     """
 
     key_index: torch.Tensor
@@ -58,6 +61,7 @@ class TreeAttentionPlan:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    gathers: bool = True
 
     @property
     def num_nodes(self) -> int:
@@ -78,8 +82,10 @@ def tree_attention_plan(layout: SharedPrefixLayout, position_ids: torch.Tensor) 
     visible = layout.visible.cpu()
     keys: list[torch.Tensor] = []
     q_lens, k_lens = [], []
+    gathers = False
     for q, (lo, hi) in enumerate(rows):
         path = [a for a in torch.nonzero(visible[q]).reshape(-1).tolist() if a != q]  # ancestors, root first
+        gathers = gathers or bool(path)
         for a in path:
             a_lo, a_hi = rows[a]
             seen = int(visible[q, a]) - int(pos[a_lo])  # the ancestor's rows below where this path leaves it
@@ -95,7 +101,8 @@ def tree_attention_plan(layout: SharedPrefixLayout, position_ids: torch.Tensor) 
     cu = lambda lens: F.pad(torch.tensor(lens, dtype=torch.int64).cumsum(0), (1, 0)).to(torch.int32)
     device = layout.segment.device
     return TreeAttentionPlan(key_index=key_index.to(device), cu_seqlens_q=cu(q_lens).to(device),
-                             cu_seqlens_k=cu(k_lens).to(device), max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+                             cu_seqlens_k=cu(k_lens).to(device), max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+                             gathers=gathers)
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,9 @@ def varlen_inputs(plan: TreeAttentionPlan, query: torch.Tensor, key: torch.Tenso
     if query.shape[0] != 1:
         raise ValueError(f"tree attention takes one packed row, got a batch of {query.shape[0]}")
     q = query[0].transpose(0, 1)
+    if not plan.gathers:  # every node a whole sequence: plain varlen packing, on every layer's hot path
+        return VarlenInputs(q, key[0].transpose(0, 1), value[0].transpose(0, 1), plan.cu_seqlens_q,
+                            plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k)
     k = key[0].index_select(1, plan.key_index).transpose(0, 1)
     v = value[0].index_select(1, plan.key_index).transpose(0, 1)
     return VarlenInputs(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k)

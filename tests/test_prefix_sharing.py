@@ -119,8 +119,10 @@ def _tiny_llama(attn: str):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=110, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    model.config._attn_implementation = attn  # after construction: flash_attention_2 too, on CPU
+    return model
 
 
 def _loss_and_grads(model, batch, share):
@@ -135,6 +137,24 @@ def _loss_and_grads(model, batch, share):
     return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def assert_shared_equals_separate(model, trajs, plain_attn: str | None = None):
+    """The shared forward's hidden states equal each sequence forwarded alone
+    (under `plain_attn` when the model's own attention cannot run without a
+    plan), and its gradients the unshared packed forward's."""
+    batch = pack(trajs)
+    shared_h, shared_g = _loss_and_grads(model, batch, share=True)
+    packed_h, packed_g = _loss_and_grads(model, batch, share=False)
+    if plain_attn is not None:
+        model.config._attn_implementation = plain_attn
+    with torch.no_grad():
+        separate = torch.cat([model.model(input_ids=torch.tensor([t.token_ids])).last_hidden_state[0]
+                              for t in trajs])
+    assert (shared_h - separate).abs().max() < 1e-4
+    assert (packed_h - separate).abs().max() < 1e-4
+    for name, g in packed_g.items():
+        assert torch.allclose(shared_g[name], g, rtol=1e-4, atol=1e-5), name
+
+
 @pytest.mark.parametrize("attn,checkpointing", [("sdpa", False), ("eager", False), ("sdpa", True)])
 def test_shared_forward_and_backward_equal_separate_sequences(attn, checkpointing):
     """sdpa runs under tree attention inside a policy (one call per node),
@@ -145,17 +165,8 @@ def test_shared_forward_and_backward_equal_separate_sequences(attn, checkpointin
         model.train()
         model.gradient_checkpointing_enable()
     trajs = bfcl_shaped(seed=5)
-    batch = pack(trajs)
-    assert shared_prefix_layout(batch).saved_tokens > batch.num_tokens / 2
-    shared_h, shared_g = _loss_and_grads(model, batch, share=True)
-    packed_h, packed_g = _loss_and_grads(model, batch, share=False)
-    with torch.no_grad():
-        separate = torch.cat([model.model(input_ids=torch.tensor([t.token_ids])).last_hidden_state[0]
-                              for t in trajs])
-    assert (shared_h - separate).abs().max() < 1e-4
-    assert (packed_h - separate).abs().max() < 1e-4
-    for name, g in packed_g.items():
-        assert torch.allclose(shared_g[name], g, rtol=1e-4, atol=1e-5), name
+    assert shared_prefix_layout(pack(trajs)).saved_tokens > pack(trajs).num_tokens / 2
+    assert_shared_equals_separate(model, trajs)
 
 
 def test_flash_attention_shares_under_tree_attention():

@@ -13,7 +13,7 @@ import torch
 from rcgrpo.batch import Trajectory, pack
 from rcgrpo.prefix_sharing import shared_prefix_layout
 from rcgrpo.tree_attention import tree_attention, tree_attention_plan, varlen_inputs
-from tests.test_prefix_sharing import bfcl_shaped, visible_by_definition
+from tests.test_prefix_sharing import _tiny_llama, assert_shared_equals_separate, bfcl_shaped, visible_by_definition
 
 
 def flash_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
@@ -126,30 +126,6 @@ def test_a_branch_off_a_short_prefix_no_longer_spans_the_groups_between():
 # ---------------------------------------------------------------- inside a real model
 
 
-def _tiny_llama(attn: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=110, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
-    model.config._attn_implementation = attn  # flash_attention_2 on CPU: set after construction
-    return model
-
-
-def _hidden_and_grads(model, batch, share):
-    from rcgrpo.attention import decoder_hidden_states
-
-    model.zero_grad()
-    hidden = decoder_hidden_states(model.model, model.config, torch.float32, batch, share_prefixes=share)
-    lp = torch.log_softmax(model.lm_head(hidden), -1).gather(-1, batch.targets[:, None])[:, 0]
-    # Every token's log-prob, weighted: rows inside shared prefixes carry gradient too.
-    weights = torch.linspace(0.5, 1.5, batch.num_tokens)
-    (-(lp * weights * (batch.targets > 0)).sum()).backward()
-    return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("base,checkpointing", [("sdpa", False), ("sdpa", True), ("flash_attention_2", False),
                                                 ("flash_attention_2", True)])
 @pytest.mark.parametrize("case", ["bfcl_groups", "deep_tree"])
@@ -172,18 +148,8 @@ def test_tree_forward_and_backward_equal_separate_sequences(base, checkpointing,
     if checkpointing:
         model.train()
         model.gradient_checkpointing_enable()
-    trajs = CASES[case]()
-    batch = pack(trajs)
-    shared_h, shared_g = _hidden_and_grads(model, batch, share=True)
-    packed_h, packed_g = _hidden_and_grads(model, batch, share=False)
-    model.config._attn_implementation = "sdpa"
-    with torch.no_grad():
-        separate = torch.cat([model.model(input_ids=torch.tensor([t.token_ids])).last_hidden_state[0]
-                              for t in trajs])
-    assert (shared_h - separate).abs().max() < 1e-4
-    assert (packed_h - separate).abs().max() < 1e-4
-    for name, g in packed_g.items():
-        assert torch.allclose(shared_g[name], g, rtol=1e-4, atol=1e-5), name
+    # Each sequence alone runs plain sdpa: flash-attn itself is not installed here.
+    assert_shared_equals_separate(model, CASES[case](), plain_attn="sdpa")
 
 
 # ------------------------------------------- real BFCL groups, plain and LoRA

@@ -11,8 +11,9 @@ otherwise look merely flat.
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping
+
+from rcgrpo.metrics import is_finite_number
 
 # metric key -> its name on the bar
 RL_FIGURES = {"reward_mean": "reward", "reward_mean_high": "high", "reward_mean_low": "low",
@@ -21,9 +22,7 @@ FINETUNE_FIGURES = {"loss": "loss"}
 
 
 def _number(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
+    return float(value) if is_finite_number(value) else None
 
 
 def bar_figures(record: Mapping, figures: Mapping[str, str]) -> dict[str, str]:
