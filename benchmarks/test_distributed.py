@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.benchmark(group="distributed: update phase, 1 process 
 
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory):
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
 
     path = tmp_path_factory.mktemp("dist") / "rollouts.jsonl"
     return build_rollouts(load_tokenizer(resolve_model_folder(None)), path, groups=GROUPS)

@@ -1,12 +1,12 @@
 """What the mask path's attention costs on CPU: torch's scaled-dot-product
-attention with an [M, M] mask (how ``rcgrpo.attention``'s eager path keeps
+attention with an [M, M] mask (how ``rcgrpo.model.attention``'s eager path keeps
 packed sequences, and prefix-shared tails, apart) against the same sequences
 attended one by one with ``is_causal``.
 
 One masked call computes every query-key pair of the micro-batch, masked or
 not, so packing k unrelated sequences into one pass costs about k times the
 attention of those sequences apart. That ratio is what
-tree attention (``rcgrpo.tree_attention``, one call per node over the keys
+tree attention (``rcgrpo.model.tree_attention``, one call per node over the keys
 it may see, what a policy's sdpa model runs) saves; ``eager`` still pays it.
 
 Sizes (``benchmarks/scale.py``): quick, 4 sequences in 4,096 tokens; full,
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from benchmarks import scale
 from benchmarks.scoreboard import Comparison
-from rcgrpo.attention import additive_mask, block_causal_mask
+from rcgrpo.model.attention import additive_mask, block_causal_mask
 
 HEADS, HEAD_DIM = 9, 64  # SmolLM2-135M's attention (after repeat_kv)
 N_TOKENS = scale.pick(smoke=512, quick=4096)
@@ -68,10 +68,10 @@ def test_tree_against_one_masked_call_on_the_135m_model(benchmark, board):
     masked SDPA call per layer (sdpa outside a policy). Smoke size: 64 and 8."""
     from transformers import AutoModelForCausalLM
 
-    from rcgrpo.attention import decoder_hidden_states
-    from rcgrpo.batch import Trajectory, pack
-    from rcgrpo.models import resolve_model_folder
-    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.model.attention import decoder_hidden_states
+    from rcgrpo.model.loading import resolve_model_folder
+    from rcgrpo.model.packing import Trajectory, pack
+    from rcgrpo.model.policy import TrainablePolicy
 
     folder = str(resolve_model_folder(None))
     g = torch.Generator().manual_seed(0)

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.benchmark(group="generation: vLLM vs HF generate, weig
 
 @pytest.fixture(scope="module")
 def policy():
-    from rcgrpo.models import load_policy
+    from rcgrpo.model.loading import load_policy
 
     yield load_policy()
     # The engine and models run in this process: give their memory back
@@ -49,10 +49,10 @@ def policy():
 
 @pytest.fixture(scope="module")
 def prompts(policy):
+    from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
+    from rcgrpo.conditioning.reward_tokens import DrawPerRollout
     from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
     from rcgrpo.envs.data import CATEGORIES
-    from rcgrpo.prompts import ChatTokens, initial_messages
-    from rcgrpo.reward_tokens import DrawPerRollout
 
     train, _ = split_train_test(load_entries())
     entries = [next(e for e in train if e.category == c) for c in CATEGORIES[:N_CATEGORIES]]

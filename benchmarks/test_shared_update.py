@@ -1,5 +1,5 @@
 """One RC-GRPO update on BFCL-shaped groups, prefix-shared (each prompt
-forwarded once per micro-batch, ``rcgrpo.prefix_sharing``) against dense
+forwarded once per micro-batch, ``rcgrpo.model.prefix_sharing``) against dense
 (every sequence forwarded whole, ``--model.share_prefixes false``): the
 default run's step (``benchmarks.update_step``'s ``rl-groups`` batch: two
 training entries, G rollouts each with a reward token drawn per rollout;

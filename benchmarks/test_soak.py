@@ -43,7 +43,7 @@ from rcgrpo.envs.bounded_worker import BoundedWorker
 from rcgrpo.envs.budget import MAX_CALLS_PER_REPLY
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.envs.executor import REFUSED_NAMES
-from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
+from rcgrpo.model.loading import load_tokenizer, resolve_model_folder, reward_token_ids
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from tests.envs.variants import with_unexpected_keyword
 from tests.hostile import HOSTILE, KINDS, LIST_EVERY_PATH, WALK_EVERY_PATH, AuditLog, shared_tree, wrap

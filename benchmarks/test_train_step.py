@@ -6,7 +6,7 @@ share allocator caches):
 - fused (chunked fused-linear loss) vs reference (full logits): target, the
   fused update's peak memory <= the reference's (1.0x); time reported.
 - prefix-shared vs dense: the fused update with the group's shared prompt
-  forwarded once (``rcgrpo.prefix_sharing``, the default on sdpa/eager)
+  forwarded once (``rcgrpo.model.prefix_sharing``, the default on sdpa/eager)
   against every sequence forwarded whole; target, time <= 1.0x.
 
 Peak is the update's own: VmHWM above the loaded model and batch. Gradient

@@ -8,7 +8,7 @@ each trainer runs in its own fresh process (``benchmarks.rcgrpo_single_turn``,
 ``benchmarks.trl_single_turn``; its ru_maxrss is the peak) with the same
 torch thread count (BENCH_THREADS, default 2). TRL runs one completion per
 forward/backward; rcgrpo micro-batches of one prompt group, whose shared
-prompt it forwards once (rcgrpo.prefix_sharing).
+prompt it forwards once (rcgrpo.model.prefix_sharing).
 
 Gradient checkpointing is on for both sides (TRL 1.16's GRPOConfig default);
 ``--full`` adds the pair with it off for both.

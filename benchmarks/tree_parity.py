@@ -26,10 +26,10 @@ import torch
 
 
 def group(tokenizer, cut: int | None):
-    from rcgrpo.batch import Trajectory, pack
+    from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
     from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, script_from_turns
     from rcgrpo.envs.bfcl import load_entries, split_train_test
-    from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+    from rcgrpo.model.packing import Trajectory, pack
     from rcgrpo.rollout.agent_loop import RolloutConfig
 
     train, _ = split_train_test(load_entries(["base"]))
@@ -57,11 +57,11 @@ def one_key_short(layout):
 
 
 def main(dtype: str, attn: str, cut: int | None, planted: bool) -> dict:
-    from rcgrpo import attention
     from rcgrpo.config import parse_args
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
-    from rcgrpo.policy import TrainablePolicy
-    from rcgrpo.prefix_sharing import forwarded_tokens
+    from rcgrpo.model import attention
+    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.policy import TrainablePolicy
+    from rcgrpo.model.prefix_sharing import forwarded_tokens
     from rcgrpo.training.parity import parity_bound, tree_vs_dense
 
     folder = resolve_model_folder(None)

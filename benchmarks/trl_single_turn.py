@@ -28,9 +28,9 @@ def main(out_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rcgrpo.conditioning.prompts import initial_messages
     from rcgrpo.envs.bfcl import Episode
-    from rcgrpo.models import resolve_model_folder
-    from rcgrpo.prompts import initial_messages
+    from rcgrpo.model.loading import resolve_model_folder
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     folder = str(resolve_model_folder(None))

@@ -53,9 +53,9 @@ BETA = 0.1
 
 def fixed_batch(tokenizer):
     """Expert + perturbed trajectories of one base entry (one group)."""
-    from rcgrpo.batch import Trajectory, pack
     from rcgrpo.data.expert import expert_turns, perturbed_turns, play_script, script_from_turns
     from rcgrpo.envs.bfcl import load_entries, split_train_test
+    from rcgrpo.model.packing import Trajectory, pack
     from rcgrpo.rollout.agent_loop import RolloutConfig
 
     train, _ = split_train_test(load_entries(["base"]))
@@ -81,10 +81,10 @@ def rl_groups_batch(tokenizer):
     """The default run's RC-GRPO step, with random replies (module docstring)."""
     import random
 
-    from rcgrpo.batch import Trajectory, pack
+    from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
+    from rcgrpo.conditioning.reward_tokens import DrawPerRollout, rollout_tokens
     from rcgrpo.envs.bfcl import Episode, load_entries
-    from rcgrpo.prompts import ChatTokens, initial_messages
-    from rcgrpo.reward_tokens import DrawPerRollout, rollout_tokens
+    from rcgrpo.model.packing import Trajectory, pack
 
     group_size, cut, replies = scale.pick(smoke=(2, (160, 32), (8, 24)), quick=(2, None, (105, 315)),
                                            full=(4, None, (105, 315)))
@@ -114,9 +114,9 @@ BATCHES = {"group": fixed_batch, "rl-groups": rl_groups_batch}
 def main(variant: str, batch_name: str = "group") -> dict:
     import rcgrpo_kernels
     from rcgrpo.config import parse_args
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
-    from rcgrpo.policy import TrainablePolicy
-    from rcgrpo.prefix_sharing import micro_batch_plan
+    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.policy import TrainablePolicy
+    from rcgrpo.model.prefix_sharing import micro_batch_plan
     from rcgrpo.training.context import RunContext
     from rcgrpo.training.grpo import accumulate_gradients
     from rcgrpo.training.losses import RLLossSettings

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rcgrpo import distributed
+from rcgrpo.base import distributed
+from rcgrpo.base.errors import UserError, run_command
+from rcgrpo.base.stages import FINETUNE_STAGES, RL_STAGES, TRAINED_STAGES
 from rcgrpo.config import PIPELINES, Config
-from rcgrpo.config_cli import parse_command_line, run_header
-from rcgrpo.errors import UserError, run_command
-from rcgrpo.run_lock import LOCK_FILE, RunFolderLock, RunInUseError, holder_of, in_use
-from rcgrpo.stages import FINETUNE_STAGES, RL_STAGES, TRAINED_STAGES
+from rcgrpo.config.cli import parse_command_line, run_header
+from rcgrpo.run.lock import LOCK_FILE, RunFolderLock, RunInUseError, holder_of, in_use
 
 
 def pick_device(name: str) -> torch.device:
@@ -49,9 +49,9 @@ def training_entries(cfg: Config, tokenizer) -> list:
     """Training split of the configured categories whose opening prompt fits
     `data.max_prompt_tokens`: the named `data.entry_ids` (all of them), else
     optionally a seeded subset of `data.train_subset`."""
+    from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
     from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
     from rcgrpo.evaluation.rollouts import named_entries
-    from rcgrpo.prompts import ChatTokens, initial_messages
 
     train, _ = split_train_test(load_entries(cfg.data.categories))
     if cfg.data.entry_ids is not None:
@@ -86,8 +86,8 @@ def holds_nothing_saved(folder: Path) -> bool:
 def claim_fresh_run_dir(cfg: Config) -> None:
     """A new run never writes into an existing run's folder: it takes the
     first free `<name>-2`, `<name>-3`, ... (`--resume` continues the named one)."""
-    from rcgrpo.metrics import log_line
-    from rcgrpo.resume import SAVED_CONFIG
+    from rcgrpo.pipeline.resume import SAVED_CONFIG
+    from rcgrpo.run.metrics import log_line
 
     holder = holder_of(cfg.run_dir)
     if holder is not None:
@@ -121,8 +121,8 @@ def prepare(cfg: Config) -> Prepared:
     RCTP data file (each token id an id of the tokenizer). A problem found
     here leaves no folder behind and no weights loaded (only the tokenizer)."""
     from rcgrpo.data.rctp import load_records
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
-    from rcgrpo.resume import check_resume
+    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+    from rcgrpo.pipeline.resume import check_resume
 
     # First: no other check matters while another run writes there. Rank 0
     # alone looks (it claims the folder; a peer looking later would find
@@ -133,7 +133,7 @@ def prepare(cfg: Config) -> Prepared:
     if cfg.run.resume:
         check_resume(cfg, write=False)  # recorded once the folder is held (_run_stages)
     if cfg.run.push_to_hub and distributed.is_main():
-        from rcgrpo.hub import check_push
+        from rcgrpo.model.hub import check_push
 
         check_push(cfg.run.push_to_hub)  # a token and the repo, before hours of training
     device = pick_device(cfg.run.device)
@@ -164,7 +164,7 @@ def model_shape(name_or_path: str, resolved: Path | None = None):
     """The shapes the memory plan needs, read without loading weights: a
     resolved or local folder's config.json and safetensors headers, else a hub
     model's config.json; None when neither can be read (offline hub id)."""
-    from rcgrpo.memory import ModelShape
+    from rcgrpo.training.memory_plan import ModelShape
 
     local = resolved or Path(name_or_path).expanduser()
     if local.is_dir():
@@ -188,9 +188,9 @@ def push_finished_stage(cfg: Config, ctx, stage: str) -> None:
     then and a pushed stage is not pushed again."""
     if not cfg.run.push_to_hub or not distributed.is_main():
         return
-    from rcgrpo.atomic import atomic_write_text
-    from rcgrpo.hub import push_stage
-    from rcgrpo.metrics import log_line
+    from rcgrpo.base.atomic import atomic_write_text
+    from rcgrpo.model.hub import push_stage
+    from rcgrpo.run.metrics import log_line
 
     marker = ctx.run_dir / "stages" / PUSHED.format(stage=stage)
     repo = cfg.run.push_to_hub
@@ -209,12 +209,12 @@ def rctp_data_needs_engine(cfg: Config) -> bool:
 
 def check_memory_plan(cfg: Config, device: torch.device, shape, rctp_entries: int | None = None) -> None:
     """Refuse, before any weights load, a training stage that cannot fit the
-    device (rcgrpo.memory: weights, gradients, AdamW state, reference,
+    device (rcgrpo.training.memory_plan: weights, gradients, AdamW state, reference,
     activations and the engine's share, per rank; an RL stage's rollouts),
     naming the ways out. With `rctp_entries` (known once the training entries
     are), the rctp-data stage instead, whose rollouts of the starting model
     are held at once: rctp_entries x rctp.failure_attempts."""
-    from rcgrpo.memory import check_stage, device_memory_bytes, plan_stage
+    from rcgrpo.training.memory_plan import check_stage, device_memory_bytes, plan_stage
 
     pipeline = PIPELINES[cfg.run.pipeline]
     device_bytes = device_memory_bytes(device)
@@ -260,8 +260,8 @@ class RunEngine:
     @contextlib.contextmanager
     def phase(self, model_dir: Path):
         """The engine awake for one rollout phase, holding `model_dir`'s weights."""
-        from rcgrpo.checkpoint import folder_weights
         from rcgrpo.rollout.engine import awake
+        from rcgrpo.run.checkpoint import folder_weights
 
         engine = self.start(model_dir)
         with awake(engine, None if self.holds == model_dir else folder_weights(model_dir)):
@@ -270,7 +270,7 @@ class RunEngine:
 
 
 def run(cfg: Config) -> int:
-    from rcgrpo.metrics import quiet_library_progress
+    from rcgrpo.run.metrics import quiet_library_progress
 
     seed_everything(cfg.data.seed)
     quiet_library_progress()
@@ -312,12 +312,12 @@ def _run_stages(cfg: Config, prepared: Prepared) -> int:
     from rcgrpo.data.divergence import divergences
     from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
     from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
-    from rcgrpo.metrics import METRICS_FILE, log_line, read_records
-    from rcgrpo.models import reward_token_ids
-    from rcgrpo.policy import TrainablePolicy
-    from rcgrpo.report import learning_summary, write_report
-    from rcgrpo.resume import check_resume
+    from rcgrpo.model.loading import reward_token_ids
+    from rcgrpo.model.policy import TrainablePolicy
+    from rcgrpo.pipeline.resume import check_resume
+    from rcgrpo.report.summary import learning_summary, write_report
     from rcgrpo.rollout.agent_loop import RolloutConfig
+    from rcgrpo.run.metrics import METRICS_FILE, log_line, read_records
     from rcgrpo.training.context import RunContext
     from rcgrpo.training.finetune import finetune
     from rcgrpo.training.grpo import train_rl
@@ -442,7 +442,7 @@ def engine_kwargs(cfg: Config, device: torch.device) -> dict:
 
 
 def train_command(argv: list[str]) -> int:
-    from rcgrpo.metrics import log_line
+    from rcgrpo.run.metrics import log_line
 
     resolved = parse_command_line(argv)
     cfg = resolved.cfg
@@ -459,7 +459,7 @@ def train_command(argv: list[str]) -> int:
 
 @record  # under torchrun with --debug: the failing rank's traceback goes into the agent's summary
 def main(argv=None) -> int:
-    """Errors a user can fix are one line and exit code 2 (rcgrpo.errors)."""
+    """Errors a user can fix are one line and exit code 2 (rcgrpo.base.errors)."""
     return run_command("rcgrpo.train", train_command, argv)
 
 

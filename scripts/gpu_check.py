@@ -56,7 +56,7 @@ from kernels_testlib import assert_close  # noqa: E402
 
 import rcgrpo_kernels  # noqa: E402
 from benchmarks.fused_loss_case import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
-from rcgrpo.atomic import atomic_write_text  # noqa: E402
+from rcgrpo.base.atomic import atomic_write_text  # noqa: E402
 
 GIB = 1 << 30
 
@@ -131,7 +131,7 @@ def environment():
         p = torch.cuda.get_device_properties(0)
         env.update(device=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / GIB, 1),
                    l2_mib=round(getattr(p, "L2_cache_size", 0) / (1 << 20), 1))
-    from rcgrpo.attention import default_attn_implementation
+    from rcgrpo.model.attention import default_attn_implementation
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     impl = default_attn_implementation(dev)
@@ -337,8 +337,8 @@ def qwen_config(kind, dry):
 def train_step_case(rec, kind, device, dry, seqs, seq_len, micro_tokens):
     from transformers import Qwen2ForCausalLM
 
-    from rcgrpo.batch import Trajectory, accumulation_weight, pack, pack_micro_batches
-    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.model.packing import Trajectory, accumulation_weight, pack, pack_micro_batches
+    from rcgrpo.model.policy import TrainablePolicy
     from rcgrpo.training.losses import RLLossSettings, rl_loss
 
     cfg = qwen_config(kind, dry)
@@ -394,10 +394,10 @@ def tree_attention_case(rec, device, dry):
     dense (every sequence whole), forward + backward of the reply tokens' log-probs."""
     from transformers import Qwen2ForCausalLM
 
-    from rcgrpo.attention import default_attn_implementation
-    from rcgrpo.batch import Trajectory, pack
-    from rcgrpo.policy import TrainablePolicy
-    from rcgrpo.prefix_sharing import forwarded_tokens
+    from rcgrpo.model.attention import default_attn_implementation
+    from rcgrpo.model.packing import Trajectory, pack
+    from rcgrpo.model.policy import TrainablePolicy
+    from rcgrpo.model.prefix_sharing import forwarded_tokens
 
     cfg = qwen_config("7B-2layers", dry)
     group, prompt_len, reply_len = (5, 60, 12) if dry else (5, 5000, 300)

@@ -37,7 +37,7 @@ HEAVY = {"policy", ENGINE}  # fixtures that load the 135M model: their tests are
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from rcgrpo.models import resolve_model_folder
+    from rcgrpo.model.loading import resolve_model_folder
 
     return resolve_model_folder(None)  # the embedded SmolLM2 (converted once, cached)
 
@@ -46,7 +46,7 @@ def model_dir():
 def tokenizer(model_dir):
     # From the folder, not from the policy: tests that only tokenise do not
     # pay for the model (the policy's tokenizer is an equal copy).
-    from rcgrpo.models import load_tokenizer
+    from rcgrpo.model.loading import load_tokenizer
 
     return load_tokenizer(model_dir)
 
@@ -63,7 +63,7 @@ def tiny_folder(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def policy(model_dir):
-    from rcgrpo.models import load_policy
+    from rcgrpo.model.loading import load_policy
 
     return load_policy(model_dir)
 

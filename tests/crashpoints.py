@@ -1,5 +1,5 @@
 """Crash points: SIGKILL a real process just before a chosen line of
-`rcgrpo/checkpoint.py` runs (a line tracer, active only inside a save).
+`rcgrpo/run/checkpoint.py` runs (a line tracer, active only inside a save).
 
     python -m tests.crashpoints sweep WORKDIR
         For every distinct line a checkpoint save executes, fork a process
@@ -31,9 +31,9 @@ def line_of(text: str, function: str) -> int:
     `text` (stripped)."""
     import inspect
 
-    import rcgrpo.checkpoint
+    import rcgrpo.run.checkpoint
 
-    source, first = inspect.getsourcelines(getattr(rcgrpo.checkpoint, function))
+    source, first = inspect.getsourcelines(getattr(rcgrpo.run.checkpoint, function))
     lines = [first + i for i, line in enumerate(source) if line.strip() == text]
     if len(lines) != 1:
         raise LookupError(f"{len(lines)} lines of checkpoint.{function} read {text!r}")
@@ -73,7 +73,7 @@ def _sweep(workdir: Path) -> None:
     import torch
 
     torch.set_num_threads(1)  # the sweep forks: keep this process free of worker threads
-    from rcgrpo.checkpoint import load_latest, save_checkpoint
+    from rcgrpo.run.checkpoint import load_latest, save_checkpoint
     from tests.test_checkpoint import tiny_model
 
     def weights(seed):

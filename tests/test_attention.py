@@ -1,4 +1,4 @@
-"""The packed forward (rcgrpo.attention, run through TrainablePolicy): the
+"""The packed forward (rcgrpo.model.attention, run through TrainablePolicy): the
 proof that it equals separate forwards on a real transformers model, forward
 and backward, and why each piece of the attention set-up is needed."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rcgrpo.attention import additive_mask, block_causal_mask, default_attn_implementation
-from rcgrpo.batch import Trajectory, pack
-from rcgrpo.policy import TrainablePolicy
+from rcgrpo.model.attention import additive_mask, block_causal_mask, default_attn_implementation
+from rcgrpo.model.packing import Trajectory, pack
+from rcgrpo.model.policy import TrainablePolicy
 
 
 def packed_forward(model, batch):
@@ -125,7 +125,7 @@ def test_a_policy_runs_sdpa_as_tree_attention_and_plain_calls_stay_sdpa():
     """Inside a policy an sdpa model runs under tree attention; a call
     without a tree plan (here: generate over a left-padded batch) computes
     what sdpa computes."""
-    from rcgrpo.attention import TREE_PREFIX
+    from rcgrpo.model.attention import TREE_PREFIX
 
     model = _tiny_llama("sdpa")
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
@@ -163,7 +163,7 @@ def test_unsupported_attention_is_refused():
 def test_packed_forward_equals_separate_forwards_smollm2():
     from transformers import AutoModelForCausalLM
 
-    from rcgrpo.models import resolve_model_folder
+    from rcgrpo.model.loading import resolve_model_folder
 
     folder = resolve_model_folder(None)  # the embedded SmolLM2, converted on first use
 

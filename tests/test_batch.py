@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rcgrpo_kernels
-from rcgrpo.batch import (
+from rcgrpo.model.packing import (
     PackedBatch,
     Trajectory,
     accumulation_weight,

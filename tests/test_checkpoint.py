@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rcgrpo.checkpoint import (
+from rcgrpo.run.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     _write_manifest,
@@ -311,8 +311,8 @@ def test_recovery_restores_old_when_the_new_save_is_incomplete(tmp_path):
 DISK_FULL_SAVE = """
 import resource, signal, sys
 from pathlib import Path
-from rcgrpo.checkpoint import save_checkpoint
-from rcgrpo.errors import run_command
+from rcgrpo.run.checkpoint import save_checkpoint
+from rcgrpo.base.errors import run_command
 from tests.test_checkpoint import make_run, train_steps
 
 root, part = Path(sys.argv[1]), sys.argv[2]
@@ -356,7 +356,7 @@ import resource, signal, sys
 from pathlib import Path
 import torch
 from rcgrpo.config import parse_args
-from rcgrpo.errors import run_command
+from rcgrpo.base.errors import run_command
 from rcgrpo.training.context import RunContext
 from tests.test_checkpoint import tiny_model, tiny_tokenizer
 
@@ -393,7 +393,7 @@ def test_write_failure_reads_the_errno_the_writers_wrap():
     safetensors text for a full disk carries errno 28 the same way."""
     from safetensors import SafetensorError
 
-    from rcgrpo.checkpoint import write_failure
+    from rcgrpo.run.checkpoint import write_failure
 
     full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     assert write_failure(full) == os.strerror(28)

@@ -17,10 +17,10 @@ import pytest
 
 from rcgrpo import eval as eval_cli
 from rcgrpo import train as train_cli
-from rcgrpo.atomic import atomic_output
-from rcgrpo.errors import DEBUG_ENV, run_command
+from rcgrpo.base.atomic import atomic_output
+from rcgrpo.base.errors import DEBUG_ENV, run_command
 from rcgrpo.evaluation import replay_scoring
-from rcgrpo.models import ModelFolderError
+from rcgrpo.model.loading import ModelFolderError
 
 
 def one_line_error(capsys, prog: str) -> str:
@@ -164,7 +164,7 @@ def test_a_killed_writer_leaves_the_previous_file(tmp_path):
     target.write_text("old\n")
     child = textwrap.dedent(f"""
         import os, signal
-        from rcgrpo.atomic import atomic_output
+        from rcgrpo.base.atomic import atomic_output
         with atomic_output({str(target)!r}) as f:
             f.write("new, half written\\n" * 1000)
             f.flush()
@@ -223,7 +223,7 @@ def test_replay_out_onto_what_is_not_a_regular_file(tmp_path, capsys):
 
 HOLD_RUN_FOLDER = """
 import sys, time
-from rcgrpo.run_lock import RunFolderLock
+from rcgrpo.run.lock import RunFolderLock
 RunFolderLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(600)
@@ -250,7 +250,7 @@ def test_a_second_trainer_on_a_held_run_folder_is_one_line_naming_the_holder(tmp
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
-    from rcgrpo.run_lock import RunFolderLock, RunInUseError, holder_of
+    from rcgrpo.run.lock import RunFolderLock, RunInUseError, holder_of
 
     folder = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_FOLDER, str(folder)], stdout=subprocess.PIPE, text=True)

@@ -1,5 +1,5 @@
 """One command-line convention for rcgrpo-train, rcgrpo-eval and
-rcgrpo-report (rcgrpo/command_line.py): the help tells the values a bare run
+rcgrpo-report (rcgrpo/base/command_line.py): the help tells the values a bare run
 uses and what set them, a run's first lines say what it applies, the old
 spellings still work with one deprecation line, each command has its
 console script."""
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from rcgrpo import config_cli, report_cli
 from rcgrpo import train as train_cli
-from rcgrpo.command_line import CommandLineError
+from rcgrpo.base.command_line import CommandLineError
+from rcgrpo.base.errors import DEBUG_ENV
 from rcgrpo.config import PRESETS, load_config, parse_args
-from rcgrpo.errors import DEBUG_ENV
+from rcgrpo.config import cli as config_cli
 from rcgrpo.evaluation import cli as eval_cli
+from rcgrpo.report import cli as report_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

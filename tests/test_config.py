@@ -13,7 +13,7 @@ import tomllib
 
 from rcgrpo import config as C
 from rcgrpo.config import Config, ConfigError, parse_args
-from rcgrpo.config_io import optional_inner
+from rcgrpo.config.io import optional_inner
 
 
 def test_defaults_are_the_papers_numbers():
@@ -211,7 +211,7 @@ def test_help_lists_every_setting(capsys):
 
 
 def test_constants_match_the_modules_they_mirror():
-    from rcgrpo import models
+    from rcgrpo.model import loading as models
 
     assert C.EMBEDDED_MODEL == models.EMBEDDED
 

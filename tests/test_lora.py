@@ -16,13 +16,13 @@ import shutil
 import pytest
 import torch
 
-from rcgrpo.batch import pack
-from rcgrpo.checkpoint import CheckpointError
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.config import ConfigError, LoraConfig, parse_args
-from rcgrpo.lora import ADAPTER_DIR, adapters_off, is_lora, unwrap, wrap
-from rcgrpo.models import reward_token_ids
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.model.loading import reward_token_ids
+from rcgrpo.model.lora import ADAPTER_DIR, adapters_off, is_lora, unwrap, wrap
+from rcgrpo.model.packing import pack
+from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.run.checkpoint import CheckpointError
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
 from rcgrpo.training.grpo import rl_update

@@ -6,12 +6,12 @@ import copy
 
 import torch
 
-from rcgrpo.batch import pack
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.config import LoraConfig
-from rcgrpo.lora import wrap
-from rcgrpo.models import reward_token_ids
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.model.loading import reward_token_ids
+from rcgrpo.model.lora import wrap
+from rcgrpo.model.packing import pack
+from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.engine import SamplingConfig
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer

@@ -1,4 +1,4 @@
-"""rcgrpo.memory: parameter counts from shapes / safetensors headers, and the
+"""rcgrpo.training.memory_plan: parameter counts from shapes / safetensors headers, and the
 per-rank memory plan that refuses a stage before any model loads."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rcgrpo.config import parse_args
-from rcgrpo.memory import (
+from rcgrpo.training.memory_plan import (
     ENGINE_CPU_KV_CACHE,
     ROLLOUT_BYTES_PER_TOKEN,
     GiB,
@@ -272,8 +272,8 @@ def test_the_trainer_refuses_the_plan_before_any_weights_load(tmp_path, monkeypa
     enough to stop with exit code 2 and the ways out."""
     import json
 
-    from rcgrpo import memory
     from rcgrpo.train import main
+    from rcgrpo.training import memory_plan as memory
 
     folder = tmp_path / "qwen7b"
     folder.mkdir()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rcgrpo.metrics import MetricsLogger, progress, read_records
+from rcgrpo.run.metrics import MetricsLogger, progress, read_records
 from tests.required import require
 
 
@@ -88,7 +88,7 @@ def test_unreadable_lines_are_kept_in_the_dropped_file(tmp_path):
 
 
 def test_read_records_errors(tmp_path):
-    from rcgrpo.metrics import MetricsFileError
+    from rcgrpo.run.metrics import MetricsFileError
 
     with pytest.raises(MetricsFileError, match="no metrics file"):
         read_records(tmp_path / "metrics.jsonl")

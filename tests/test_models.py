@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcgrpo import models
-from rcgrpo.models import ModelFolderError
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, REWARD_TOKEN_PHRASES
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD, REWARD_TOKEN_PHRASES
+from rcgrpo.model import loading as models
+from rcgrpo.model.loading import ModelFolderError
 
 
 def test_embedded_policy_has_distinct_phrase_mean_reward_rows_and_tied_embeddings(policy):
@@ -199,7 +199,7 @@ def _race(final, log):
     models._save_atomically(build, Path(final), source="race")
 
 
-@pytest.mark.slow  # two spawned interpreters import rcgrpo.models (~2-2.5 s)
+@pytest.mark.slow  # two spawned interpreters import rcgrpo.model.loading (~2-2.5 s)
 def test_two_processes_build_the_folder_once(tmp_path):
     final, log = tmp_path / "models" / "m", tmp_path / "log"
     ctx = mp.get_context("spawn")

@@ -1,4 +1,4 @@
-"""rcgrpo.plots: the rules that make a figure readable at a glance, checked
+"""rcgrpo.report.plots: the rules that make a figure readable at a glance, checked
 on the Figure objects (no PNG is written)."""
 
 from __future__ import annotations
@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from rcgrpo.plots import ALL_ZERO, DASHBOARD, STAGE_BOUNDARY, dashboard_figure, run_figures, speed_figure, stage_figure
+from rcgrpo.report.plots import (
+    ALL_ZERO,
+    DASHBOARD,
+    STAGE_BOUNDARY,
+    dashboard_figure,
+    run_figures,
+    speed_figure,
+    stage_figure,
+)
 
 
 def two_stage_run(rl_steps=4, **rl_overrides):

@@ -1,4 +1,4 @@
-"""Prefix sharing (rcgrpo.prefix_sharing): the layout against a brute-force
+"""Prefix sharing (rcgrpo.model.prefix_sharing): the layout against a brute-force
 reading of what each token may see, the forward and backward on a real
 transformers model against separate forwards, and the micro-batch plan."""
 from __future__ import annotations
@@ -8,10 +8,14 @@ import random
 import pytest
 import torch
 
-from rcgrpo.batch import Trajectory, balance_micro_batches, pack
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.prefix_sharing import MIN_SHARED_TOKENS, micro_batch_plan, shared_prefix_layout
+from rcgrpo.model.packing import Trajectory, balance_micro_batches, pack
+from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.model.prefix_sharing import MIN_SHARED_TOKENS, micro_batch_plan, shared_prefix_layout
 
+
+def saved_tokens(layout) -> int:
+    """Tokens the layout does not forward: the sequences' total less the forwarded rows."""
+    return int(layout.expand.numel()) - layout.num_forwarded
 
 def _rand(n, g):
     return torch.randint(0, 100, (n,), generator=g).tolist()
@@ -91,12 +95,12 @@ def test_short_common_prefixes_and_shifted_positions_are_not_shared():
     a = _rand(50, g)
     b = a[:MIN_SHARED_TOKENS - 1] + _rand(30, g)
     batch = pack([Trajectory(a, [0] * 50), Trajectory(b, [0] * len(b))])
-    assert shared_prefix_layout(batch).saved_tokens == 0
+    assert saved_tokens(shared_prefix_layout(batch)) == 0
     # Same tokens at other positions are other rows.
     shifted = pack([Trajectory(a, [0] * 50), Trajectory(a, [0] * 50)])
     shifted.position_ids[50:] += 1
-    assert shared_prefix_layout(shifted).saved_tokens == 0
-    assert shared_prefix_layout(pack([Trajectory(a, [0] * 50)] * 2)).saved_tokens == 50
+    assert saved_tokens(shared_prefix_layout(shifted)) == 0
+    assert saved_tokens(shared_prefix_layout(pack([Trajectory(a, [0] * 50)] * 2))) == 50
 
 
 def test_a_sequence_inside_another_forwards_nothing():
@@ -165,14 +169,14 @@ def test_shared_forward_and_backward_equal_separate_sequences(attn, checkpointin
         model.train()
         model.gradient_checkpointing_enable()
     trajs = bfcl_shaped(seed=5)
-    assert shared_prefix_layout(pack(trajs)).saved_tokens > pack(trajs).num_tokens / 2
+    assert saved_tokens(shared_prefix_layout(pack(trajs))) > pack(trajs).num_tokens / 2
     assert_shared_equals_separate(model, trajs)
 
 
 def test_flash_attention_shares_under_tree_attention():
     """flash-attn's varlen kernel runs the prefix tree too (tests/test_tree_attention.py
     checks its call on CPU); the setting alone turns sharing off."""
-    from rcgrpo.attention import TREE_PREFIX
+    from rcgrpo.model.attention import TREE_PREFIX
 
     model = _tiny_llama("sdpa")
     model.config._attn_implementation = "flash_attention_2"

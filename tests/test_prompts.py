@@ -3,9 +3,16 @@ import json
 
 import pytest
 
+from rcgrpo.conditioning.prompts import (
+    ChatTokens,
+    format_docs,
+    initial_messages,
+    reward_tag,
+    system_prompt,
+    with_reward_goal,
+)
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.envs.bfcl import Episode
-from rcgrpo.prompts import ChatTokens, format_docs, initial_messages, reward_tag, system_prompt, with_reward_goal
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 
 def test_reward_tag_goes_on_the_first_user_message_only():

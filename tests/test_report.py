@@ -1,4 +1,4 @@
-"""rcgrpo.report: plots and markdown from a synthetic run folder."""
+"""rcgrpo.report.summary: plots and markdown from a synthetic run folder."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from rcgrpo.metrics import MetricsLogger
-from rcgrpo.report import ReportError, eval_table_markdown, main, write_report
+from rcgrpo.report.cli import main
+from rcgrpo.report.summary import ReportError, eval_table_markdown, write_report
+from rcgrpo.run.metrics import MetricsLogger
 
 
 def run_flags(run_dir):

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from rcgrpo import train as train_cli
+from rcgrpo.base.errors import DEBUG_ENV
 from rcgrpo.config import PRESETS, ConfigError, parse_args
-from rcgrpo.errors import DEBUG_ENV
-from rcgrpo.resume import CHANGES_FILE, ResumeError, check_resume
+from rcgrpo.pipeline.resume import CHANGES_FILE, ResumeError, check_resume
 
 
 def started_run(tmp_path, *flags):

@@ -1,10 +1,9 @@
-"""rcgrpo.reward_tokens: the tokens' names and the rules that pick a prompt's token."""
+"""rcgrpo.conditioning.reward_tokens: the tokens' names and the rules that pick a prompt's token."""
 import random
 
 import pytest
 
-from rcgrpo.config import PIPELINES, RL_STAGES, parse_args
-from rcgrpo.reward_tokens import (
+from rcgrpo.conditioning.reward_tokens import (
     HIGH_REWARD,
     LOW_REWARD,
     DrawPerRollout,
@@ -16,6 +15,7 @@ from rcgrpo.reward_tokens import (
     stage_saw_reward_tokens,
     token_named,
 )
+from rcgrpo.config import PIPELINES, RL_STAGES, parse_args
 
 
 def test_names_and_tokens_map_both_ways():

@@ -1,4 +1,4 @@
-"""Adapters and models another machine can use (rcgrpo.sharing, rcgrpo.hub).
+"""Adapters and models another machine can use (rcgrpo.model.sharing, rcgrpo.model.hub).
 
 The user's model here is a tiny random Llama saved with SmolLM2's own
 tokenizer, the reward tokens taken out (as a hub model has it); it goes
@@ -16,12 +16,12 @@ import shutil
 import pytest
 import torch
 
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD, REWARD_TOKENS
 from rcgrpo.config import ConfigError, parse_args
-from rcgrpo.lora import ADAPTER_DIR
-from rcgrpo.models import load_tokenizer, resolve_model_folder, reward_token_ids
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, REWARD_TOKENS
-from rcgrpo.sharing import BASE_RECORD
+from rcgrpo.model.loading import load_tokenizer, resolve_model_folder, reward_token_ids
+from rcgrpo.model.lora import ADAPTER_DIR
+from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.model.sharing import BASE_RECORD
 from rcgrpo.training.context import RunContext
 from tests.fake_hub import FakeHub
 
@@ -131,7 +131,7 @@ def test_the_conversion_is_announced_with_its_size(tmp_path, tokenizer, monkeypa
     disk cannot hold it, and a folder that has the tokens is used in place."""
     from types import SimpleNamespace
 
-    from rcgrpo.memory import DiskPlanError
+    from rcgrpo.training.memory_plan import DiskPlanError
 
     monkeypatch.setenv("RCGRPO_CACHE", str(tmp_path / "cache"))
     user = save_hub_model(tmp_path / "m", tokenizer, tied=True)
@@ -173,9 +173,9 @@ def test_push_uploads_each_stage_export_and_a_hub_id_reads_back_like_the_folder(
     and eval takes it as a reward-token model."""
     from types import SimpleNamespace
 
-    from rcgrpo.checkpoint import folder_weights
     from rcgrpo.evaluation.settings import resolve_eval_settings
-    from rcgrpo.hub import check_push
+    from rcgrpo.model.hub import check_push
+    from rcgrpo.run.checkpoint import folder_weights
     from rcgrpo.train import push_finished_stage
 
     ctx, _, _ = two_stages
@@ -206,7 +206,7 @@ def test_push_uploads_each_stage_export_and_a_hub_id_reads_back_like_the_folder(
 def test_push_without_a_token_is_one_line_before_training(tmp_path, monkeypatch):
     import huggingface_hub.constants as hf
 
-    from rcgrpo.hub import HubError
+    from rcgrpo.model.hub import HubError
     from rcgrpo.train import run
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -225,7 +225,7 @@ def test_push_to_hub_must_be_a_repo_id(value):
 
 
 def test_a_hub_id_that_cannot_be_fetched_is_one_line(fake_hub):
-    from rcgrpo.hub import HubError
+    from rcgrpo.model.hub import HubError
 
     with pytest.raises(HubError, match=r"^cannot fetch me/missing from the Hub: "):
         resolve_model_folder("me/missing")

@@ -1,4 +1,4 @@
-"""run.report_to (rcgrpo/trackers.py): a chosen tracker that is not installed
+"""run.report_to (rcgrpo/run/trackers.py): a chosen tracker that is not installed
 is one line before any work; the old run.tensorboard still works and says
 what replaces it; W&B and MLflow get every step's numbers (with the real
 packages, where installed: they are not in the dev extra, so CI skips those
@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 
 from rcgrpo.config import ConfigError, parse_args
-from rcgrpo.metrics import MetricsLogger
-from rcgrpo.trackers import TRACKERS
+from rcgrpo.run.metrics import MetricsLogger
+from rcgrpo.run.trackers import TRACKERS
 
 MISSING = [name for name, package in TRACKERS.items() if importlib.util.find_spec(package) is None]
 

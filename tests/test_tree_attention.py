@@ -1,4 +1,4 @@
-"""Tree attention (rcgrpo.tree_attention): the plan against a brute-force
+"""Tree attention (rcgrpo.model.tree_attention): the plan against a brute-force
 reading of what each token may see, and every back end, forward and backward,
 against dense masked attention. The flash-attn call is checked here on CPU
 through ``flash_varlen_reference``, this file's own implementation of
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from rcgrpo.batch import Trajectory, pack
-from rcgrpo.prefix_sharing import shared_prefix_layout
-from rcgrpo.tree_attention import tree_attention, tree_attention_plan, varlen_inputs
+from rcgrpo.model.packing import Trajectory, pack
+from rcgrpo.model.prefix_sharing import shared_prefix_layout
+from rcgrpo.model.tree_attention import tree_attention, tree_attention_plan, varlen_inputs
 from tests.test_prefix_sharing import _tiny_llama, assert_shared_equals_separate, bfcl_shaped, visible_by_definition
 
 
@@ -134,8 +134,8 @@ def test_tree_forward_and_backward_equal_separate_sequences(base, checkpointing,
     equal each sequence forwarded alone, gradients equal the unshared packed
     forward's. flash_attention_2 runs here through the flash back end with
     flash_attn_varlen_func replaced by this file's reference."""
-    from rcgrpo import tree_attention
-    from rcgrpo.attention import TREE_PREFIX, use_tree_attention
+    from rcgrpo.model import tree_attention
+    from rcgrpo.model.attention import TREE_PREFIX, use_tree_attention
 
     if base.startswith("flash"):
         def flash(inputs, scale, dropout):
@@ -161,9 +161,9 @@ def bfcl_rollouts(entries, tokenizer, shape: str):
     below each prompt, and the preamble the entries share); "rctp", the
     expert (high) / failure (low) pair of each of two entries. Replies are
     short random token runs ending in the turn's end token."""
+    from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
+    from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
     from rcgrpo.envs.bfcl import Episode
-    from rcgrpo.prompts import ChatTokens, initial_messages
-    from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 
     chat = ChatTokens(tokenizer)
     size = lambda e: len(chat.prompt_ids(initial_messages(Episode(e), None, "compact_no_response")))
@@ -189,9 +189,9 @@ def test_real_bfcl_groups_tree_equals_dense_plain_and_lora(shape, lora, entries,
     from transformers import AutoModelForCausalLM
 
     from rcgrpo.config import LoraConfig
-    from rcgrpo.lora import wrap
-    from rcgrpo.models import reward_token_ids
-    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.model.loading import reward_token_ids
+    from rcgrpo.model.lora import wrap
+    from rcgrpo.model.policy import TrainablePolicy
 
     batch = pack(bfcl_rollouts(entries, tokenizer, shape))
     layout = shared_prefix_layout(batch)

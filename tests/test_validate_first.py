@@ -19,8 +19,8 @@ import pytest
 
 from rcgrpo import eval as eval_cli
 from rcgrpo import train as train_cli
-from rcgrpo.errors import DEBUG_ENV
-from rcgrpo.reward_tokens import HIGH_REWARD
+from rcgrpo.base.errors import DEBUG_ENV
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD
 
 ENTRY = "multi_turn_base_100"  # one of the cpu-small preset's entries (its prompt fits)
 
@@ -48,7 +48,7 @@ def one_line_error(capsys, prog: str) -> str:
 def no_model_loads(monkeypatch):
     """Tripwires on every way a CLI loads weights or starts an engine."""
     from rcgrpo import rollout
-    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.model.policy import TrainablePolicy
 
     def tripped(*args, **kwargs):
         raise AssertionError("a model was loaded before the problem was found")
@@ -327,7 +327,7 @@ def test_under_torchrun_only_rank_0_checks_that_the_run_folder_is_free(tmp_path,
     """Rank 0 claims the folder once its own checks pass; a peer still
     checking must not take rank 0's lock for another run's."""
     from rcgrpo.config import parse_args
-    from rcgrpo.run_lock import RunFolderLock
+    from rcgrpo.run.lock import RunFolderLock
 
     cfg = parse_args(["--stages", "rctp-data", "--out-dir", str(tmp_path), "--name", "r"])
     with RunFolderLock(cfg.run_dir):  # rank 0, already past its checks

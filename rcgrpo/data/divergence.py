@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 
 __all__ = ["Divergence", "first_divergence", "divergences"]
 

@@ -1,6 +1,6 @@
 """The RCTP data set: expert and failure trajectories, each labelled by the
 reward function and tagged with the matching reward token (the paper, arXiv
-2602.03025; the label rule: rcgrpo.reward_tokens.label_for_reward).
+2602.03025; the label rule: rcgrpo.conditioning.reward_tokens.label_for_reward).
 
 * expert: the ground truth of a training entry, played through the agent loop;
 * failure (kind "failure"): reward-0 rollouts of the starting model, all of
@@ -25,17 +25,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from rcgrpo import json_input
-from rcgrpo.atomic import atomic_output
-from rcgrpo.batch import Trajectory
+from rcgrpo.base import json_input
+from rcgrpo.base.atomic import atomic_output
+from rcgrpo.base.errors import UserError
+from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, label_for_reward
 from rcgrpo.data.divergence import divergences, first_divergence
 from rcgrpo.data.expert import expert_turns, near_misses, play_script, script_from_turns
 from rcgrpo.envs.bfcl import Episode
-from rcgrpo.errors import UserError
-from rcgrpo.metrics import log_line, progress
-from rcgrpo.prompts import ChatTokens, initial_messages
-from rcgrpo.reward_tokens import HIGH_REWARD, label_for_reward
+from rcgrpo.model.packing import Trajectory
 from rcgrpo.rollout.agent_loop import Rollout, RolloutConfig, run_episodes
+from rcgrpo.run.metrics import log_line, progress
 
 
 @dataclass

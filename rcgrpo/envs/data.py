@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from rcgrpo.errors import UserError
+from rcgrpo.base.errors import UserError
 
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 FILE_PREFIX = "BFCL_v4_multi_turn_"

@@ -4,29 +4,20 @@ Entries with the same numeric id in different categories are variants of the
 same scenario (long_context and base share 195 of 200 first turns), so the
 split is made over numeric ids: 20 ids are held out, and all four entries of a
 held-out id go to the test side. The held-out ids are a pure function of the
-ids present in the data and a fixed seed; `test_split.json` records them so a
-change in either shows up as a failing test rather than a silent leak.
+ids present in the data and a fixed seed (tests/envs/test_split.py holds that
+function); `test_split.json` records them, so a change in either shows up as a
+failing test rather than a silent leak.
 """
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Sequence
 
 from rcgrpo.envs.data import BFCLEntry
 
-SPLIT_SEED = 20260203  # the paper's arXiv month; any fixed value works
 NUM_TEST_IDS = 20
 RECORDED_SPLIT = Path(__file__).with_name("test_split.json")
-
-
-def held_out_ids(entries: Sequence[BFCLEntry], seed: int = SPLIT_SEED, k: int = NUM_TEST_IDS) -> list[int]:
-    """The numeric ids of the test side."""
-    ids = sorted({e.index for e in entries})
-    if len(ids) < k:
-        raise ValueError(f"only {len(ids)} distinct ids, cannot hold out {k}")
-    return sorted(random.Random(seed).sample(ids, k))
 
 
 def recorded_test_ids() -> list[int]:

@@ -14,7 +14,7 @@ What to evaluate (exactly one):
       per-category and overall accuracy.
 
 The settings are the keys of a run's config.toml that evaluation reads,
-written as rcgrpo-train writes them (rcgrpo/command_line.py): --eval.subset 5,
+written as rcgrpo-train writes them (rcgrpo/base/command_line.py): --eval.subset 5,
 --eval.max_new_tokens=96. For a run's runs/<name>/models/<stage> folder, that
 run's config.toml supplies eval.max_new_tokens, grpo.max_total_tokens and
 data.doc_style, and eval.conditioning when the stage's policy was trained
@@ -33,13 +33,13 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from rcgrpo.command_line import CommandLineError, Section, format_help, read_flags, split_argv
+from rcgrpo.base.command_line import CommandLineError, Section, format_help, read_flags, split_argv
+from rcgrpo.base.errors import DEBUG_ENV, run_command
+from rcgrpo.conditioning.prompts import DOC_STYLES
+from rcgrpo.conditioning.reward_tokens import CONDITIONING_NAMES
 from rcgrpo.envs.data import CATEGORIES
-from rcgrpo.errors import DEBUG_ENV, run_command
 from rcgrpo.evaluation.replay_scoring import ground_truth_table, print_table, score_replay_file
 from rcgrpo.evaluation.settings import DEFAULTS, resolve_eval_settings
-from rcgrpo.prompts import DOC_STYLES
-from rcgrpo.reward_tokens import CONDITIONING_NAMES
 from rcgrpo.rollout import ENGINES
 
 PROG = "rcgrpo.eval"
@@ -66,14 +66,14 @@ POSITIONAL = ("drop", "bind")
 def evaluate_model(args) -> int:
     """--model: greedy rollouts of the policy on the chosen split, official verdicts."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from rcgrpo import hub
+    from rcgrpo.model import hub
 
     if not Path(args.model).expanduser().exists() and hub.is_hub_id(args.model):
         hub.download(args.model)  # first: the settings read its tokenizer from the cache
     settings = resolve_eval_settings(args.model, args)
     print(settings.describe(), flush=True)
     from rcgrpo.evaluation.rollouts import evaluate, named_entries, select_entries, write_eval
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
     from rcgrpo.rollout import make_engine
 
     categories = args.categories
@@ -94,7 +94,7 @@ def evaluate_model(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Errors a user can fix are one line and exit code 2 (rcgrpo.errors)."""
+    """Errors a user can fix are one line and exit code 2 (rcgrpo.base.errors)."""
     return run_command(PROG, eval_command, argv)
 
 
@@ -145,13 +145,13 @@ def usage() -> str:
 
 def read_command_line(argv: list[str]) -> SimpleNamespace:
     """argv -> the command's values, each setting checked against the limits
-    the schema gives it (rcgrpo/config.py) before any model loads."""
+    the schema gives it (rcgrpo/config/__init__.py) before any model loads."""
     flags = split_argv(argv)
     known: dict[str, object] = dict(COMMAND)
     if any(f.key not in COMMAND for f in flags):
         # The schema's types come with torch (rcgrpo.config): only a command
         # line naming a setting pays for them, `--replay` never does.
-        from rcgrpo.config_io import KEYS
+        from rcgrpo.config.io import KEYS
 
         known.update({key: KEYS[key][0] for key in SETTINGS})
     given = read_flags(PROG, flags, known, ALIASES, OLD)
@@ -166,7 +166,7 @@ def read_command_line(argv: list[str]) -> SimpleNamespace:
             raise CommandLineError(f"{name} given twice")
         seen.add(key)
         if key in SETTINGS or key == "ids":
-            from rcgrpo.config_validation import setting_problems
+            from rcgrpo.config.validation import setting_problems
 
             problems += setting_problems("data.entry_ids" if key == "ids" else key, value, name)
         elif key in ("replay", "out") and not value.strip():

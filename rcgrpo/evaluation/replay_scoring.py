@@ -7,11 +7,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from rcgrpo import json_input
-from rcgrpo.atomic import atomic_output
+from rcgrpo.base import json_input
+from rcgrpo.base.atomic import atomic_output
 from rcgrpo.envs.data import CATEGORIES, load_entries
 from rcgrpo.envs.replay import replay, replay_ground_truth
-from rcgrpo.metrics import progress
+from rcgrpo.run.metrics import progress
 
 
 def score_replay_file(src: Path, dst: Path, positional: str = "drop") -> tuple[int, int]:

@@ -7,11 +7,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from rcgrpo.atomic import atomic_write_text
+from rcgrpo.base.atomic import atomic_write_text
+from rcgrpo.conditioning.reward_tokens import token_named
 from rcgrpo.envs.bfcl import load_entries, split_train_test
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.evaluation.replay_scoring import accuracy_table
-from rcgrpo.reward_tokens import token_named
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 
 

@@ -15,8 +15,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+from rcgrpo.conditioning.reward_tokens import token_named
 from rcgrpo.evaluation.stats import Rate, rate
-from rcgrpo.reward_tokens import token_named
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 
 __all__ = ["sampled_reward", "reward_metrics"]

@@ -1,15 +1,15 @@
 """Which settings `python -m rcgrpo.eval --model` evaluates a model under:
 explicit flags, else its run's config.toml (for a run's models/<stage>
 folder), else the built-in defaults; and whether the model is asked for a
-reward token (rcgrpo.reward_tokens decides from the stage it comes from)."""
+reward token (rcgrpo.conditioning.reward_tokens decides from the stage it comes from)."""
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rcgrpo.errors import UserError
-from rcgrpo.reward_tokens import stage_saw_reward_tokens
+from rcgrpo.base.errors import UserError
+from rcgrpo.conditioning.reward_tokens import stage_saw_reward_tokens
 
 DEFAULTS = {"max_new_tokens": 512, "max_total_tokens": 8192, "doc_style": "compact"}
 SETTINGS = ("max_new_tokens", "max_total_tokens", "doc_style", "conditioning")
@@ -87,11 +87,11 @@ def _load_run_config(config_path: Path):
 
 def _has_own_reward_tokens(model: str) -> tuple[bool, str]:
     """Whether `model` outside a run already knows the reward tokens, and why."""
-    from rcgrpo.models import EMBEDDED, _has_reward_tokens
+    from rcgrpo.model.loading import EMBEDDED, _has_reward_tokens
 
     if str(model) == EMBEDDED:
         return False, "the embedded model has no reward tokens"
-    from rcgrpo import hub
+    from rcgrpo.model import hub
 
     local = Path(model).expanduser()
     if not local.exists() and hub.is_hub_id(str(model)):

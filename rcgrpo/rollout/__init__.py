@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .engine import Engine, Generation, SamplingConfig
+from rcgrpo.rollout.engine import Engine, Generation, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +36,13 @@ def make_engine(kind: str, model_path: str | os.PathLike, *, policy=None, **vllm
         if kind == "hf":
             log.warning("rcgrpo: vLLM is not installed; rollouts use the slower transformers engine")
     if kind == "vllm":
-        from .vllm_engine import VLLMEngine
+        from rcgrpo.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, **vllm_kwargs)
-    from .hf_engine import HFEngine
+    from rcgrpo.rollout.hf_engine import HFEngine
 
     if policy is None:
-        from ..models import load_policy
+        from rcgrpo.model.loading import load_policy
 
         policy = load_policy(model_path)
     return HFEngine(policy.model, policy.tokenizer)

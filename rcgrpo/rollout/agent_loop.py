@@ -14,10 +14,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..metrics import progress
-from ..prompts import ChatTokens, initial_messages
-from ..reward_tokens import Conditioning, DrawPerRollout, rollout_tokens
-from .engine import Engine, SamplingConfig, check_generations
+from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
+from rcgrpo.conditioning.reward_tokens import Conditioning, DrawPerRollout, rollout_tokens
+from rcgrpo.rollout.engine import Engine, SamplingConfig, check_generations
+from rcgrpo.run.metrics import progress
 
 
 @dataclass
@@ -122,13 +122,13 @@ def run_episodes(
 ) -> list[Rollout]:
     """Play `group_size` rollouts of every entry; rollouts come back entry by entry.
 
-    reward_tokens (rcgrpo.reward_tokens.Conditioning): DrawPerRollout(p_high)
+    reward_tokens (rcgrpo.conditioning.reward_tokens.Conditioning): DrawPerRollout(p_high)
     draws one per rollout, seeded by `config.seed`; a token, or None, conditions
     every rollout on it; a list gives one token (or None) per rollout.
     """
     cfg = config or RolloutConfig()
     if episode_factory is None:
-        from ..envs.bfcl import Episode as episode_factory
+        from rcgrpo.envs.bfcl import Episode as episode_factory
     chat = ChatTokens(tokenizer)
     rng = random.Random(cfg.seed)
     n = len(entries) * group_size

@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .engine import Generation, SamplingConfig, per_prompt, strip_wrapper_prefixes
+from rcgrpo.rollout.engine import Generation, SamplingConfig, per_prompt, strip_wrapper_prefixes
 
 
 class HFEngine:

@@ -14,8 +14,8 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .engine import Generation, SamplingConfig, per_prompt, strip_wrapper_prefixes
-from .host_pages import discard
+from rcgrpo.rollout.engine import Generation, SamplingConfig, per_prompt, strip_wrapper_prefixes
+from rcgrpo.rollout.host_pages import discard
 
 # vLLM logs every engine start, compile and weight load at INFO: about half
 # the lines of a run's log file. A run shows vLLM's warnings and errors only,

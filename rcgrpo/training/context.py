@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from rcgrpo import distributed
-from rcgrpo.atomic import atomic_write_text
-from rcgrpo.checkpoint import SaveError, load_latest, save_checkpoint, write_failure
+from rcgrpo.base import distributed
+from rcgrpo.base.atomic import atomic_write_text
 from rcgrpo.config import Config
-from rcgrpo.metrics import DiscardingLogger, MetricsLogger, log_line
-from rcgrpo.policy import TrainablePolicy
+from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.run.checkpoint import SaveError, load_latest, save_checkpoint, write_failure
+from rcgrpo.run.metrics import DiscardingLogger, MetricsLogger, log_line
 
 
 @dataclass
@@ -44,7 +44,7 @@ class RunContext:
     def export_model(self, stage: str, policy: TrainablePolicy, start: Path | None = None) -> Path:
         """Save the stage's final policy (safetensors in `model.export_dtype`
         + tokenizer) atomically; a LoRA policy's adapter as an adapter of the
-        user's model (rcgrpo.sharing). `start`: the folder the stage started
+        user's model (rcgrpo.model.sharing). `start`: the folder the stage started
         from (default: the run's base). Every rank calls; rank 0 writes, and
         no rank goes on before the folder exists (it is what every rank loads next)."""
         dtype = getattr(torch, self.cfg.model.export_dtype)
@@ -61,9 +61,9 @@ class RunContext:
         policy.export(folder, dtype)
         if not policy.lora:
             return
-        from rcgrpo.lora import ADAPTER_DIR
-        from rcgrpo.models import added_reward_tokens
-        from rcgrpo.sharing import make_shareable
+        from rcgrpo.model.loading import added_reward_tokens
+        from rcgrpo.model.lora import ADAPTER_DIR
+        from rcgrpo.model.sharing import make_shareable
 
         model_id = self.cfg.model.name_or_path
         why_not = make_shareable(folder / ADAPTER_DIR, stage=stage, model_id=model_id, tokenizer=self.tokenizer,

@@ -7,14 +7,14 @@ import random
 import time
 from typing import Sequence
 
-from rcgrpo import distributed
-from rcgrpo.batch import Trajectory, pack
+from rcgrpo.base import distributed
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.data.divergence import Divergence
-from rcgrpo.metrics import log_line, progress
-from rcgrpo.models import reward_token_ids
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.prefix_sharing import micro_batches
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.model.loading import reward_token_ids
+from rcgrpo.model.packing import Trajectory, pack
+from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.model.prefix_sharing import micro_batches
+from rcgrpo.run.metrics import log_line, progress
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import sft_loss

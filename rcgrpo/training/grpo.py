@@ -6,7 +6,7 @@ RC-GRPO differs from GRPO only in the conditioning of the rollouts: each
 rollout draws its own reward token with P(high) = p (the paper, arXiv
 2602.03025). GRPO after RCTP conditions every rollout on <|high_reward|>
 (what the RCTP policy is asked for at evaluation); GRPO after SFT uses no
-token (the rule: rcgrpo.reward_tokens.rl_rollout_conditioning).
+token (the rule: rcgrpo.conditioning.reward_tokens.rl_rollout_conditioning).
 """
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from typing import Sequence
 import torch
 
 import rcgrpo_kernels
-from rcgrpo import distributed
-from rcgrpo.batch import (
+from rcgrpo.base import distributed
+from rcgrpo.conditioning.reward_tokens import rl_rollout_conditioning, short_name, stage_saw_reward_tokens
+from rcgrpo.evaluation.sampled_reward import reward_metrics, sampled_reward
+from rcgrpo.model.packing import (
     PackedBatch,
     Trajectory,
     accumulation_weight,
@@ -29,13 +31,11 @@ from rcgrpo.batch import (
     loss_normaliser,
     pack,
 )
-from rcgrpo.evaluation.sampled_reward import reward_metrics, sampled_reward
-from rcgrpo.metrics import log_line, progress
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.prefix_sharing import forwarded_tokens, micro_batch_plan, micro_batches
-from rcgrpo.reward_tokens import rl_rollout_conditioning, short_name, stage_saw_reward_tokens
+from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.model.prefix_sharing import forwarded_tokens, micro_batch_plan, micro_batches
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import play_awake
+from rcgrpo.run.metrics import log_line, progress
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
 from rcgrpo.training.losses import RLLossSettings, current_logprobs, reference_logprobs, rl_loss

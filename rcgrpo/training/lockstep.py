@@ -14,8 +14,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from rcgrpo import distributed
-from rcgrpo.batch import PackedBatch, Trajectory, pack
+from rcgrpo.base import distributed
+from rcgrpo.model.packing import PackedBatch, Trajectory, pack
 
 
 def padding_batch(device: torch.device) -> PackedBatch:

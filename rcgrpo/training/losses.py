@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 import rcgrpo_kernels
-from rcgrpo.batch import PackedBatch
-from rcgrpo.policy import PackedLM, TrainablePolicy
+from rcgrpo.model.packing import PackedBatch
+from rcgrpo.model.policy import PackedLM, TrainablePolicy
 
 
 @dataclass(frozen=True)

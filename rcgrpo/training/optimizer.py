@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from rcgrpo import distributed
-from rcgrpo.policy import TrainablePolicy
+from rcgrpo.base import distributed
+from rcgrpo.model.policy import TrainablePolicy
 
 
 def make_optimizer(policy: TrainablePolicy, lr: float, weight_decay: float, total_steps: int, warmup_ratio: float):

@@ -3,7 +3,7 @@ dense one by the run itself.
 
 With prefix sharing on (`model.share_prefixes`), each shared prompt prefix of
 a micro-batch is forwarded once and read by every sequence that has it (the
-*tree* forward, rcgrpo.prefix_sharing). It must give each sequence what the
+*tree* forward, rcgrpo.model.prefix_sharing). It must give each sequence what the
 *dense* forward gives it (every sequence forwarded whole, sharing off), up to
 float rounding. A wrong mask, position or gather gives log-probs that only
 look plausible: the loss still falls, the old and reference log-probs drift
@@ -51,12 +51,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from rcgrpo import distributed
-from rcgrpo.batch import PackedBatch
-from rcgrpo.errors import UserError
-from rcgrpo.metrics import log_line
-from rcgrpo.policy import PackedLM, TrainablePolicy
-from rcgrpo.prefix_sharing import forwarded_tokens
+from rcgrpo.base import distributed
+from rcgrpo.base.errors import UserError
+from rcgrpo.model.packing import PackedBatch
+from rcgrpo.model.policy import PackedLM, TrainablePolicy
+from rcgrpo.model.prefix_sharing import forwarded_tokens
+from rcgrpo.run.metrics import log_line
 from rcgrpo.training.lockstep import padding_batch
 from rcgrpo.training.losses import token_logprobs
 
@@ -79,7 +79,7 @@ __all__ = ["PARITY_BOUNDS", "PARITY_METRICS", "TreeParityError", "parity_bound",
 # deeper models and longer micro-batches, and stays well below the bug.
 PARITY_BOUNDS = {torch.float32: 1e-3, torch.bfloat16: 2.0}
 
-# What a check logs in metrics.jsonl at its step (described in rcgrpo.metrics.STANDARD_METRICS).
+# What a check logs in metrics.jsonl at its step (described in rcgrpo.run.metrics.STANDARD_METRICS).
 PARITY_METRICS = ("tree_parity_max_abs", "tree_parity_mean_abs", "tree_parity_bound", "tree_parity_tokens",
                   "tree_parity_s")
 

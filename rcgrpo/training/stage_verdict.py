@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from rcgrpo.metrics import is_finite_number
+from rcgrpo.run.metrics import is_finite_number
 
 # metric key -> its name on the bar
 RL_FIGURES = {"reward_mean": "reward", "reward_mean_high": "high", "reward_mean_low": "low",

@@ -25,10 +25,10 @@ from typing import Sequence
 
 import torch
 
-from rcgrpo.batch import Trajectory, pack
 from rcgrpo.data.divergence import Divergence
-from rcgrpo.policy import PackedLM
-from rcgrpo.prefix_sharing import micro_batch_plan
+from rcgrpo.model.packing import Trajectory, pack
+from rcgrpo.model.policy import PackedLM
+from rcgrpo.model.prefix_sharing import micro_batch_plan
 
 __all__ = ["STEER_METRICS", "probe_pairs", "steer"]
 

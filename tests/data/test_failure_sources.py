@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.config import ConfigError, parse_args
 from rcgrpo.data.divergence import divergences, first_divergence
 from rcgrpo.data.expert import expert_turns, near_misses, script_from_turns
 from rcgrpo.data.rctp import build_rctp, summary
 from rcgrpo.envs.bfcl import load_entries, split_train_test
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.rollout.agent_loop import RolloutConfig
 from rcgrpo.rollout.engine import Generation
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.config import parse_args
 from rcgrpo.data.rctp import RctpDataError, build_rctp, load_records, save_records, summary
 from rcgrpo.envs.bfcl import load_entries, split_train_test
-from rcgrpo.models import reward_token_ids
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.model.loading import reward_token_ids
 from rcgrpo.rollout.agent_loop import RolloutConfig
 
 CFG = RolloutConfig(max_new_tokens=12, max_total_tokens=6144, doc_style="compact_no_response", progress=False)

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.data.rctp import save_records
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
 from tests.distributed.conftest import python, torchrun
 from tests.training.conftest import chat_record
 

@@ -16,11 +16,11 @@ SCRIPT = """
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import torch
-from rcgrpo import distributed
-from rcgrpo.models import load_policy
+from rcgrpo.base import distributed
+from rcgrpo.model.loading import load_policy
 from rcgrpo.rollout import make_engine
 from rcgrpo.rollout.engine import SamplingConfig
-from rcgrpo.policy import TrainablePolicy
+from rcgrpo.model.policy import TrainablePolicy
 
 with distributed.guarded():
     distributed.init("cpu", 300)

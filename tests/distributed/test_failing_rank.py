@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow  # torchrun jobs that must fail in bounded time (~
 # Rank 1 raises while rank 0 waits in an all-reduce that rank 1 never joins.
 SCRIPT = """
 import sys, time, torch
-from rcgrpo import distributed
+from rcgrpo.base import distributed
 with distributed.guarded():
     distributed.init("cpu", timeout_s=float(sys.argv[1]))
     if distributed.rank() == 1:

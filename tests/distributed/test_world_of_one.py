@@ -2,7 +2,7 @@
 world of one. And the slicing rule that decides who trains on what."""
 import pytest
 
-from rcgrpo import distributed
+from rcgrpo.base import distributed
 from rcgrpo.config import ConfigError, parse_args
 
 
@@ -23,7 +23,7 @@ def test_without_torchrun_the_helpers_are_a_world_of_one(monkeypatch):
 # What an in-process vLLM engine does in a plain `python -m rcgrpo.train`.
 FOREIGN_GROUP = """
 import socket, torch, torch.distributed as dist
-from rcgrpo import distributed
+from rcgrpo.base import distributed
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

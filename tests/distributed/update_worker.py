@@ -31,8 +31,8 @@ GROUP_SIZE = 2
 def build_rollouts(tokenizer, path: Path, groups: int = 4) -> Path:
     """`groups` prompts x GROUP_SIZE tagged conversations; later groups are
     longer, so a 2-rank split gives the ranks different micro-batch counts."""
-    from rcgrpo.prompts import ChatTokens, with_reward_goal
-    from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+    from rcgrpo.conditioning.prompts import ChatTokens, with_reward_goal
+    from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 
     chat = ChatTokens(tokenizer)
     rows = []
@@ -53,11 +53,11 @@ def build_rollouts(tokenizer, path: Path, groups: int = 4) -> Path:
 
 def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str | None = None,
          share_prefixes: str = "true") -> int:
-    from rcgrpo import distributed
-    from rcgrpo.batch import Trajectory
+    from rcgrpo.base import distributed
     from rcgrpo.config import parse_args
-    from rcgrpo.models import load_tokenizer, resolve_model_folder
-    from rcgrpo.policy import TrainablePolicy
+    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.packing import Trajectory
+    from rcgrpo.model.policy import TrainablePolicy
     from rcgrpo.training.context import RunContext
     from rcgrpo.training.grpo import rl_update
     from rcgrpo.training.losses import RLLossSettings

@@ -93,7 +93,7 @@ def gone(pid: int) -> bool:
 INTERRUPTED_DURING_A_CALL = """
 import os, signal, sys, threading
 from rcgrpo.envs.bounded_worker import BoundedWorker
-from rcgrpo.errors import run_command
+from rcgrpo.base.errors import run_command
 
 # Ctrl-C raises KeyboardInterrupt, as at a terminal, even when this test runs
 # under a shell's background job (which starts it with SIGINT ignored).

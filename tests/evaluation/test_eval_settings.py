@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from rcgrpo.conditioning.reward_tokens import REWARD_TOKENS, stage_saw_reward_tokens
 from rcgrpo.config import parse_args
 from rcgrpo.eval import main
 from rcgrpo.evaluation.settings import EvalSettingsError, resolve_eval_settings
-from rcgrpo.models import EMBEDDED
-from rcgrpo.reward_tokens import REWARD_TOKENS, stage_saw_reward_tokens
+from rcgrpo.model.loading import EMBEDDED
 
 
 def flags(**given):
@@ -135,7 +135,7 @@ def test_settings_reach_the_rollouts_and_eval_json(in_tmp, monkeypatch, capsys):
     """main() with the engine and the rollouts faked: the resolved settings are
     what evaluate() gets, the source line is printed, eval.json records them."""
     import rcgrpo.evaluation.rollouts
-    import rcgrpo.models
+    import rcgrpo.model.loading
     import rcgrpo.rollout
 
     model = make_run(in_tmp, "--pipeline", "sft+grpo", stage="grpo")
@@ -147,8 +147,8 @@ def test_settings_reach_the_rollouts_and_eval_json(in_tmp, monkeypatch, capsys):
                 "conditioning": conditioning, "settings": {"conditioning": conditioning, "greedy": greedy}, "rows": []}
 
     monkeypatch.setattr(rcgrpo.evaluation.rollouts, "evaluate", fake_evaluate)
-    monkeypatch.setattr(rcgrpo.models, "resolve_model_folder", lambda m: Path(m))
-    monkeypatch.setattr(rcgrpo.models, "load_tokenizer", lambda folder: None)
+    monkeypatch.setattr(rcgrpo.model.loading, "resolve_model_folder", lambda m: Path(m))
+    monkeypatch.setattr(rcgrpo.model.loading, "load_tokenizer", lambda folder: None)
     monkeypatch.setattr(rcgrpo.rollout, "make_engine", lambda kind, folder, **kw: seen.setdefault("engine", kw))
     out = in_tmp / "out"
     assert main(["--model", str(model), "--subset", "1", "--categories", "base", "--engine", "vllm",

@@ -45,7 +45,7 @@ def prepared(tmp_path_factory, one_thread):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from rcgrpo.models import resolve_model_folder
+    from rcgrpo.model.loading import resolve_model_folder
     from rcgrpo_kernels.trl_grpo import KernelGRPOTrainer
 
     folder = str(resolve_model_folder(None))

@@ -18,7 +18,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import torch  # noqa: E402
 
-from rcgrpo.models import load_tokenizer  # noqa: E402
+from rcgrpo.model.loading import load_tokenizer  # noqa: E402
 from rcgrpo.rollout.engine import SamplingConfig  # noqa: E402
 from rcgrpo.rollout.host_pages import as_bytes  # noqa: E402
 from rcgrpo.rollout.vllm_engine import VLLMEngine  # noqa: E402

@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from rcgrpo.models import reward_token_ids
-from rcgrpo.prompts import reward_tag
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
+from rcgrpo.conditioning.prompts import reward_tag
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
+from rcgrpo.model.loading import reward_token_ids
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import Generation
 

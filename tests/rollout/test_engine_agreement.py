@@ -3,8 +3,8 @@ SmolLM2-135M in fp32, sampled by the in-process vLLM CPU engine, rescored by
 the trainer's packed forward exactly as an RL step does (`Agreement`)."""
 import torch
 
-from rcgrpo.batch import pack
-from rcgrpo.policy import TrainablePolicy
+from rcgrpo.model.packing import pack
+from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.training.grpo import Agreement, to_trajectories
 from rcgrpo.training.losses import current_logprobs
@@ -26,8 +26,8 @@ SEQ_ABS_BOUND = 1e-2
 
 
 def test_vllm_and_trainer_logprobs_agree_in_fp32(policy, vllm_engine, tokenizer, entries):
+    from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
     from rcgrpo.envs.bfcl import Episode
-    from rcgrpo.prompts import ChatTokens, initial_messages
 
     chat = ChatTokens(tokenizer)
     base = [e for e in entries if e.category == "base"][:40]

@@ -4,8 +4,8 @@
 
 def chat_record(tokenizer, user: str, reply: str, token: str | None, reward: float, entry_id="tiny"):
     """A short tagged conversation in the RCTP record layout."""
+    from rcgrpo.conditioning.prompts import ChatTokens, with_reward_goal
     from rcgrpo.data.rctp import Record
-    from rcgrpo.prompts import ChatTokens, with_reward_goal
 
     chat = ChatTokens(tokenizer)
     messages = [{"role": "system", "content": "Answer with function calls."}]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rcgrpo.config import parse_args
-from rcgrpo.policy import TrainablePolicy
+from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.engine import EngineFault, Generation, awake, check_generations
 from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.context import RunContext

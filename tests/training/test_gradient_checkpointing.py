@@ -3,10 +3,10 @@ paper-qwen7b preset turns it on), and recomputing activations changes no
 gradient."""
 import torch
 
-from rcgrpo.batch import pack
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD
 from rcgrpo.config import parse_args
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.reward_tokens import HIGH_REWARD
+from rcgrpo.model.packing import pack
+from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.training.losses import sft_loss
 from tests.training.conftest import chat_record
 

@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from rcgrpo.batch import Trajectory, pack
-from rcgrpo.checkpoint import load_latest
+from rcgrpo.base.errors import UserError, one_line
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.config import parse_args
-from rcgrpo.errors import UserError, one_line
-from rcgrpo.policy import PackedLM, TrainablePolicy
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.model.packing import Trajectory, pack
+from rcgrpo.model.policy import PackedLM, TrainablePolicy
+from rcgrpo.run.checkpoint import load_latest
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
 from rcgrpo.training.parity import PARITY_METRICS, TreeParityError, parity_bound, shares_a_prefix, tree_vs_dense
@@ -28,9 +28,9 @@ def group(tokenizer, entries):
     """An RC-GRPO-shaped group of a real BFCL entry: its first prompt under
     each reward token, each with the expert's first reply and a failure: a
     tree three levels deep (the prompt, the tag, the reply)."""
+    from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
     from rcgrpo.data.expert import expert_turns, script_from_turns
     from rcgrpo.envs.bfcl import Episode
-    from rcgrpo.prompts import ChatTokens, initial_messages
 
     chat = ChatTokens(tokenizer)
     entry = next(e for e in entries if e.category == "base")

@@ -14,10 +14,10 @@ the effect is per weight, and these are the real weights and magnitudes.
 import pytest
 import torch
 
-from rcgrpo.batch import pack
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD
 from rcgrpo.config import parse_args
-from rcgrpo.policy import PackedLM, TrainablePolicy
-from rcgrpo.reward_tokens import HIGH_REWARD
+from rcgrpo.model.packing import pack
+from rcgrpo.model.policy import PackedLM, TrainablePolicy
 from rcgrpo.training.losses import sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 from tests.training.conftest import chat_record

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcgrpo.checkpoint import folder_weights
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.data.rctp import save_records
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.run.checkpoint import folder_weights
 from tests.training.conftest import chat_record, save_tiny_llama
 
 pytestmark = pytest.mark.slow  # trainer subprocesses, one SIGKILLed mid-save (~17 s)

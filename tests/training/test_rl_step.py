@@ -12,7 +12,7 @@ import torch
 
 from rcgrpo.config import parse_args
 from rcgrpo.data.expert import expert_turns, script_from_turns
-from rcgrpo.policy import TrainablePolicy
+from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import Generation
 from rcgrpo.rollout.hf_engine import HFEngine
@@ -239,7 +239,7 @@ def _fresh(tiny_folder):
 
 @pytest.mark.slow  # RL updates of 1 and 2 epochs on real episodes (~5 s)
 def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_folder, sampled):
-    from rcgrpo.batch import pack
+    from rcgrpo.model.packing import pack
 
     ctx = _ctx(tmp_path, tokenizer, tiny_folder)
     settings = RLLossSettings(eps_low=0.2, eps_high=0.2, beta=0.0)
@@ -352,7 +352,7 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
     """Engine log-probs equal to the trainer's: TIS changes nothing. Engine
     log-probs 1 nat below the trainer's on every other token: those weights are
     capped at 2, the rest are 1, and the gradient changes."""
-    from rcgrpo.batch import pack
+    from rcgrpo.model.packing import pack
     from rcgrpo.training.grpo import trainer_logprobs
 
     ctx = _ctx(tmp_path, tokenizer, tiny_folder)

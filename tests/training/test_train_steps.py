@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import rcgrpo_kernels
-from rcgrpo.batch import pack
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
 from rcgrpo.config import parse_args
 from rcgrpo.data.expert import expert_turns, play_script, script_from_turns
-from rcgrpo.models import reward_token_ids
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD, DrawPerRollout
+from rcgrpo.model.loading import reward_token_ids
+from rcgrpo.model.packing import pack
+from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import SamplingConfig
 from rcgrpo.training.context import RunContext
@@ -29,8 +29,8 @@ ROLLOUT = RolloutConfig(max_new_tokens=16, max_total_tokens=6144, doc_style="com
 
 @pytest.fixture(scope="module")
 def short_entry(entries, tokenizer):
+    from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
     from rcgrpo.envs.bfcl import Episode
-    from rcgrpo.prompts import ChatTokens, initial_messages
 
     chat = ChatTokens(tokenizer)
     base = [e for e in entries if e.category == "base"][:40]

@@ -3,7 +3,7 @@ import pytest
 
 from rcgrpo.config import parse_args
 from rcgrpo.envs.split import recorded_test_ids
-from rcgrpo.models import load_tokenizer, resolve_model_folder
+from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
 from rcgrpo.train import training_entries
 
 

@@ -27,13 +27,13 @@ import pytest
 import torch
 
 import rcgrpo_kernels
-from rcgrpo.batch import pack
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.config import parse_args
 from rcgrpo.data.divergence import divergences
 from rcgrpo.data.expert import expert_turns, near_misses, play_script, script_from_turns
 from rcgrpo.data.rctp import build_rctp
-from rcgrpo.policy import TrainablePolicy
-from rcgrpo.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.model.packing import pack
+from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.context import RunContext
@@ -189,7 +189,7 @@ def test_rctp_teaches_the_high_tag_to_steer_the_first_divergent_token(tmp_path, 
     stays ~0 while p(expert's token) is the same under both tags) and the
     condition after it, as the 135M model did in the pilots; 130 steps take
     it well past that turn (about step 90-110 here)."""
-    from rcgrpo.models import reward_token_ids
+    from rcgrpo.model.loading import reward_token_ids
 
     cfg, ctx = _ctx(tmp_path, tokenizer, tiny_folder, "--fused", "--rctp.failure_source", "near_miss",
                     "--rctp.lr", "7e-3", "--rctp.batch_size", "2", "--rctp.epochs", "130", "--rctp.steer_every", "10")
@@ -257,7 +257,7 @@ def test_after_an_update_a_zero_variance_step_keeps_its_kl_gradient(tmp_path, to
 def test_the_steer_is_the_experts_token_log_prob_under_each_tag(tokenizer, tiny_folder, study_entries):
     """The probe (prefix sharing, packed) equals a plain forward of each
     pair's prefix under each tag; swapping the tags negates it."""
-    from rcgrpo.models import reward_token_ids
+    from rcgrpo.model.loading import reward_token_ids
     from rcgrpo.training.steer import steer
 
     records = build_rctp(None, study_entries, tokenizer, ROLLOUT,

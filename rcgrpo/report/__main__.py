@@ -1,0 +1,6 @@
+"""`python -m rcgrpo.report` (the same as `rcgrpo-report`)."""
+import sys
+
+from rcgrpo.report.cli import main
+
+sys.exit(main())
