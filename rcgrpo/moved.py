@@ -40,6 +40,7 @@ MOVED: dict[str, str] = {
     "rcgrpo.config_cli": "rcgrpo.config.cli",
     "rcgrpo.config_io": "rcgrpo.config.io",
     "rcgrpo.config_validation": "rcgrpo.config.validation",
+    "rcgrpo.data.sources": "rcgrpo.config.schema",
     "rcgrpo.memory": "rcgrpo.training.memory_plan",
     "rcgrpo.report_cli": "rcgrpo.report.cli",
     "rcgrpo.plots": "rcgrpo.report.plots",

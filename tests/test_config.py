@@ -12,7 +12,7 @@ import pytest
 import tomllib
 
 from rcgrpo import config as C
-from rcgrpo.config import Config, ConfigError, parse_args
+from rcgrpo.config import ConfigError, config_from_dict, parse_args, save_config
 from rcgrpo.config.io import optional_inner
 
 
@@ -193,12 +193,12 @@ def test_model_folder_checked(tmp_path):
 def test_save_round_trip(tmp_path):
     cfg = parse_args(["--preset", "cpu-small", "--grpo.lr", "3.5e-7", "--run.stages", "rctp,rc-grpo",
                       "--eval.subset", "none", "--name", "rt"])
-    path = cfg.save(tmp_path)
+    path = save_config(cfg, tmp_path)
     assert path.name == "config.toml" and (tmp_path / "config.json").is_file()
     tomllib.loads(path.read_text())  # valid TOML
     again = C.load_config(path)
     assert again.to_dict() == cfg.to_dict()
-    assert Config.from_dict(json.loads((tmp_path / "config.json").read_text())).to_dict() == cfg.to_dict()
+    assert config_from_dict(json.loads((tmp_path / "config.json").read_text())).to_dict() == cfg.to_dict()
 
 
 def test_help_lists_every_setting(capsys):
@@ -296,7 +296,7 @@ def test_a_retired_setting_in_an_earlier_runs_file_is_skipped_and_a_flag_is_told
     path = tmp_path / "config.toml"
     path.write_text("[run]\nlog_every = 5\n")  # what runs saved before run.log_every went
     assert C.load_config(path).to_dict() == parse_args([]).to_dict()
-    assert Config.from_dict({"run": {"log_every": 5}}).to_dict() == parse_args(["--preset", "none"]).to_dict()
+    assert config_from_dict({"run": {"log_every": 5}}).to_dict() == parse_args(["--preset", "none"]).to_dict()
     with pytest.raises(ConfigError, match="'run.log_every' .* is no longer a setting: metric lines are written"):
         parse_args(["--run.log_every", "5"])
 

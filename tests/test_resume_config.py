@@ -9,7 +9,7 @@ import pytest
 
 from rcgrpo import train as train_cli
 from rcgrpo.base.errors import DEBUG_ENV
-from rcgrpo.config import PRESETS, ConfigError, parse_args
+from rcgrpo.config import PRESETS, ConfigError, parse_args, save_config
 from rcgrpo.pipeline.resume import CHANGES_FILE, ResumeError, check_resume
 
 
@@ -17,7 +17,7 @@ def started_run(tmp_path, *flags):
     """A run folder as a first invocation leaves it (its config saved)."""
     cfg = parse_args(["--out-dir", str(tmp_path), "--name", "r", "--grpo.batch_size", "4", "--grpo.lr", "1e-5",
                       *flags], check_files=False)
-    cfg.save()
+    save_config(cfg)
     return cfg.run_dir
 
 

@@ -28,8 +28,19 @@ from rcgrpo.base.command_line import (
     split_argv,
     type_name,
 )
-from rcgrpo.config import PRESETS, Config, ConfigError, finalize, flat_values, leaves
-from rcgrpo.config.io import FOLDED, KEYS, apply_folded, apply_settings, load_toml, set_setting, unknown_setting
+from rcgrpo.config.io import (
+    FOLDED,
+    KEYS,
+    apply_folded,
+    apply_settings,
+    config_to_toml,
+    load_toml,
+    set_setting,
+    unknown_setting,
+)
+from rcgrpo.config.presets import DEFAULT_PRESET, PRESET_PURPOSE, PRESETS
+from rcgrpo.config.schema import Config, ConfigError, flat_values, leaves
+from rcgrpo.config.validation import finalize
 
 # Shortcut flags -> dotted keys.
 ALIASES = {
@@ -42,16 +53,6 @@ ALIASES = {
     "out-dir": "run.out_dir",
     "device": "run.device",
     "report-to": "run.report_to",
-}
-# The embedded 135M model on a CPU is the default: a bare run is the run
-# sized for this machine, whatever model it names (`--preset none` gives the
-# schema's defaults, the paper's numbers; `--preset paper-qwen7b` the paper's
-# 7B setting).
-DEFAULT_PRESET = "cpu-small"
-# What each preset is for, in the help and the run's first lines.
-PRESET_PURPOSE = {
-    "cpu-small": "a run sized for a 2-core CPU: 2 training entries, 3 RL steps",
-    "paper-qwen7b": "the paper's Qwen2.5-7B setting on GPUs, at the paper's sizes",
 }
 # The command's own flags (not settings): their metavar and what they do.
 COMMAND_FLAGS = {
@@ -153,9 +154,7 @@ def usage(argv: Sequence[str] = ()) -> str:
     except ConfigError as e:
         resolved = resolve([], check_files=False)
         note = f"(the other flags do not resolve: {' '.join(str(e).split())}; shown: a bare run's values) "
-    cfg, origins = resolved.cfg, resolved.origins
-    defaults = flat_values(Config())
-    preset = cfg.preset or "none"
+    preset = resolved.cfg.preset or "none"
     given = "with these flags" if argv else "of a bare run"
     head = [
         f"usage: {PROG} [--preset NAME] [--config FILE.toml] [--section.key VALUE ...]",
@@ -188,6 +187,14 @@ def usage(argv: Sequence[str] = ()) -> str:
         ("-h, --help", "", "this help; after other flags, the values they give"),
     ])
     shortcuts = Section("shortcuts", ", ".join(f"--{a} = --{k}" for a, k in ALIASES.items()), [])
+    return format_help(head, [command, shortcuts, *_setting_sections(resolved)])
+
+
+def _setting_sections(resolved: Resolved) -> list[Section]:
+    """The help's sections of settings: each setting with its value and,
+    when a preset set it, the value without one."""
+    cfg, origins = resolved.cfg, resolved.origins
+    defaults = flat_values(Config())
     sections: dict[str, Section] = {}
     for key, f, tp, value in leaves(cfg):
         if key == "preset":
@@ -204,7 +211,7 @@ def usage(argv: Sequence[str] = ()) -> str:
             else f"  [{origin}]" if origin else ""
         metavar = type_name(tp).upper().replace(" ", "_")
         sections[section].rows.append((f"--{key} {metavar}", f"= {_shown(value)}{where}", f.metadata.get("help", "")))
-    return format_help(head, [command, shortcuts, *sections.values()])
+    return list(sections.values())
 
 
 def _size(cfg: Config) -> str:
@@ -270,7 +277,7 @@ def parse_command_line(argv: Optional[Sequence[str]] = None, *, check_files: boo
         raise SystemExit(0)
     resolved = resolve(argv, check_files=check_files, prog=prog)
     if "--print-config" in argv:
-        print(resolved.cfg.to_toml(), end="")
+        print(config_to_toml(resolved.cfg), end="")
         raise SystemExit(0)
     return resolved
 
@@ -297,7 +304,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(cfg.to_toml(), end="")
+    print(config_to_toml(cfg), end="")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Settings in and out of a Config by dotted key: one value set with its type
 checked, a nested table of them applied (a TOML file, a saved config.json, a
-preset), a TOML file read, a Config written as TOML.
+preset), a TOML file read, a Config written as TOML, saved into its run
+folder, or made from a saved dict.
 
 A wrong key or value raises ConfigError naming the key and where it came
 from; for an unknown key, the likeliest one meant (SYNONYMS: the paper's
@@ -18,8 +19,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import rcgrpo_kernels
 from rcgrpo.base import json_input
+from rcgrpo.base.atomic import atomic_write_text
 from rcgrpo.base.command_line import deprecated, optional_inner, type_name
-from rcgrpo.config import Config, ConfigError, all_keys
+from rcgrpo.config.schema import Config, ConfigError, all_keys
+from rcgrpo.config.validation import finalize
 
 try:
     import tomllib
@@ -207,3 +210,26 @@ def to_toml(d: dict) -> str:
 
     table("", d)
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def config_to_toml(cfg: Config) -> str:
+    """`cfg` as a TOML file that --config reads back."""
+    return to_toml(cfg.to_dict())
+
+
+def save_config(cfg: Config, run_dir: str | os.PathLike | None = None) -> Path:
+    """Write config.toml and config.json into `run_dir` (default: the run's
+    folder), atomically; returns the path of config.toml."""
+    d = Path(run_dir) if run_dir is not None else cfg.run_dir
+    d.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(d / "config.toml", config_to_toml(cfg))
+    atomic_write_text(d / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return d / "config.toml"
+
+
+def config_from_dict(d: dict, source: str = "dict", check_files: bool = True) -> Config:
+    """Defaults overlaid with `d` (nested sections, e.g. a checkpoint's
+    run_config.json), then validated; `source` names `d` in the errors."""
+    cfg = Config()
+    apply_settings(cfg, d, f"in {source}")
+    return finalize(cfg, check_files=check_files)

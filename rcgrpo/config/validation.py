@@ -1,7 +1,11 @@
-"""Checking a Config: the limits each field declares (rcgrpo/config/__init__.py, `_f`),
+"""Checking a Config: the limits each field declares (rcgrpo/config/schema.py, `_f`),
 by one loop over the schema; then the rules that relate settings, or look
 outside the config (the torchrun world, an installed package, files). Every
-problem is collected, so that one ConfigError lists them all."""
+problem is collected, so that one ConfigError lists them all.
+
+``finalize`` is the last step of every way a Config is made (the command
+line, a file, a saved dict): it fills the settings whose none means
+"derived", then validates."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from rcgrpo.config import DYNAMIC_SAMPLING_PIPELINES, EMBEDDED_MODEL, PIPELINES, Config, ConfigError, all_keys, leaves
+from rcgrpo.base.stages import DYNAMIC_SAMPLING_PIPELINES, PAPER_RL_BATCH, PIPELINES
+from rcgrpo.conditioning.reward_tokens import default_eval_conditioning
+from rcgrpo.config.schema import EMBEDDED_MODEL, Config, ConfigError, all_keys, leaves, slug
 from rcgrpo.model.hub import is_hub_id
 from rcgrpo.run.trackers import TRACKERS, missing
 
@@ -196,3 +202,19 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     if problems:
         head = problems[0] if len(problems) == 1 else f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)
         raise ConfigError(f"invalid configuration: {head}", problems)
+
+
+def finalize(cfg: Config, check_files: bool = True) -> Config:
+    """Fill the 'none = derived' settings, then validate everything."""
+    if cfg.run.pipeline in PIPELINES:
+        if cfg.run.name is None:
+            cfg.run.name = slug(cfg.run.pipeline)
+        if cfg.grpo.batch_size is None:
+            cfg.grpo.batch_size = PAPER_RL_BATCH[cfg.rl_stage]
+        if cfg.eval.conditioning == "auto":
+            # Only a pipeline that trained on reward tokens can use one.
+            cfg.eval.conditioning = default_eval_conditioning(cfg.finetune_stage, cfg.rl_stage)
+        if cfg.grpo.dynamic_sampling is None:
+            cfg.grpo.dynamic_sampling = cfg.run.pipeline in DYNAMIC_SAMPLING_PIPELINES
+    validate(cfg, check_files=check_files)
+    return cfg

@@ -142,7 +142,7 @@ def near_miss_records(entries: Sequence, tokenizer, config: RolloutConfig, neede
 
 def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, rctp, seed: int) -> list[Record]:
     """Expert + failure records, `rctp.failure_ratio` failures per expert (the
-    paper: 1:1), the failures from `rctp.failure_source` (rcgrpo.data.sources).
+    paper: 1:1), the failures from `rctp.failure_source` (rcgrpo.config.schema, FAILURE_SOURCES).
     `rctp` is the config's RctpConfig. With `rctp.fill_with_perturbed`,
     rollout sources short of failures are topped up with near misses, entries
     without a failure first."""

@@ -145,7 +145,7 @@ def usage() -> str:
 
 def read_command_line(argv: list[str]) -> SimpleNamespace:
     """argv -> the command's values, each setting checked against the limits
-    the schema gives it (rcgrpo/config/__init__.py) before any model loads."""
+    the schema gives it (rcgrpo/config/schema.py) before any model loads."""
     flags = split_argv(argv)
     known: dict[str, object] = dict(COMMAND)
     if any(f.key not in COMMAND for f in flags):

@@ -10,9 +10,21 @@ from pathlib import Path
 
 from rcgrpo.base.errors import UserError
 from rcgrpo.conditioning.reward_tokens import stage_saw_reward_tokens
+from rcgrpo.config import Config, ConfigError, load_config
 
-DEFAULTS = {"max_new_tokens": 512, "max_total_tokens": 8192, "doc_style": "compact"}
 SETTINGS = ("max_new_tokens", "max_total_tokens", "doc_style", "conditioning")
+
+
+def _settings_of(cfg: Config) -> dict:
+    """The generation and prompt settings of `cfg` (all of SETTINGS but the
+    conditioning, which depends on the stage)."""
+    return {"max_new_tokens": cfg.eval.max_new_tokens, "max_total_tokens": cfg.grpo.max_total_tokens,
+            "doc_style": cfg.data.doc_style}
+
+
+# A model outside a run is evaluated under the schema's defaults (one home:
+# rcgrpo/config/schema.py), not a preset's.
+DEFAULTS = _settings_of(Config())
 
 
 class EvalSettingsError(UserError, ValueError):
@@ -67,10 +79,8 @@ def _shown(path: Path) -> str:
     return path.as_posix() if rel.startswith("..") else Path(rel).as_posix()
 
 
-def _load_run_config(config_path: Path):
+def _load_run_config(config_path: Path) -> Config:
     """The run's Config; a broken file is one EvalSettingsError line naming it."""
-    from rcgrpo.config import ConfigError, load_config
-
     shown = _shown(config_path)
     try:
         return load_config(shown, check_files=False)
@@ -120,8 +130,7 @@ def resolve_eval_settings(model: str, args) -> EvalSettings:
     if run is not None:
         config_path, stage = run
         cfg = _load_run_config(config_path)
-        base = {"max_new_tokens": cfg.eval.max_new_tokens, "max_total_tokens": cfg.grpo.max_total_tokens,
-                "doc_style": cfg.data.doc_style}
+        base = _settings_of(cfg)
         source, why = _shown(config_path), f"stage {stage}"
         if given["conditioning"] is None:
             try:

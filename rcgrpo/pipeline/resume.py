@@ -4,7 +4,7 @@ A run's folder holds the config it was started with (config.json). Resuming
 compares it with the config given now, key by key:
 
 * settings a field declares `resume_safe` (checkpoint cadence, evaluation,
-  device and engine, logging; see `rcgrpo.config._f`) may change: each change
+  device and engine, logging; see `_f` in rcgrpo/config/schema.py) may change: each change
   is logged and recorded;
 * every other difference changes what was or will be trained (model, LoRA,
   pipeline, data selection and seed, batch and group sizes, epochs and steps,
@@ -24,7 +24,7 @@ from typing import Any
 
 from rcgrpo.base import json_input
 from rcgrpo.base.errors import UserError, one_line
-from rcgrpo.config import Config, flat_values, resume_safe_keys
+from rcgrpo.config import Config, config_from_dict, flat_values, resume_safe_keys
 
 __all__ = ["ResumeError", "Difference", "CHANGES_FILE", "config_differences", "check_resume"]
 
@@ -65,7 +65,7 @@ def load_saved_config(run_dir: Path) -> Config:
     path = run_dir / SAVED_CONFIG
     try:
         data = json_input.read_file(path, expect=dict)
-        return Config.from_dict(data, source=str(path), check_files=False)
+        return config_from_dict(data, source=str(path), check_files=False)
     except (OSError, ValueError) as exc:  # ConfigError is a ValueError
         raise ResumeError(f"--resume: the saved config {path} cannot be used: {one_line(exc)}") from exc
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rcgrpo.conditioning.reward_tokens import REWARD_TOKENS, stage_saw_reward_tokens
-from rcgrpo.config import parse_args
+from rcgrpo.config import parse_args, save_config
 from rcgrpo.eval import main
 from rcgrpo.evaluation.settings import EvalSettingsError, resolve_eval_settings
 from rcgrpo.model.loading import EMBEDDED
@@ -26,7 +26,7 @@ def make_run(root: Path, *argv: str, name: str = "run", stage: str = "rctp") -> 
     """A run folder as the trainer leaves it (config.toml) with an empty
     models/<stage>; returns the stage folder, relative to `root`."""
     run_dir = root / "runs" / name
-    parse_args(list(argv), check_files=False).save(run_dir)
+    save_config(parse_args(list(argv), check_files=False), run_dir)
     (run_dir / "models" / stage).mkdir(parents=True, exist_ok=True)
     return Path("runs") / name / "models" / stage
 
