@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rcgrpo.base import distributed
 from rcgrpo.base.errors import UserError, run_command
 from rcgrpo.base.stages import FINETUNE_STAGES, RL_STAGES, TRAINED_STAGES
-from rcgrpo.config import PIPELINES, Config
+from rcgrpo.config import PIPELINES, Config, save_config
 from rcgrpo.config.cli import parse_command_line, run_header
 from rcgrpo.run.lock import LOCK_FILE, RunFolderLock, RunInUseError, holder_of, in_use
 
@@ -330,7 +330,7 @@ def _run_stages(cfg: Config, prepared: Prepared) -> int:
     vocab_size = len(tokenizer)
     ctx = RunContext(cfg, device, tokenizer, base)
     if distributed.is_main():
-        cfg.save(ctx.run_dir)
+        save_config(cfg, ctx.run_dir)
     produced: list[str] = []  # what this invocation's stages left, for the last line
     log_line(f"run folder {ctx.run_dir}; {len(entries)} training entries; stages {cfg.stages}; fused={cfg.run.fused}")
 
