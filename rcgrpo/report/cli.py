@@ -19,7 +19,7 @@ from rcgrpo.base.errors import DEBUG_ENV, run_command
 PROG = "rcgrpo.report"
 KEYS = {"run.name": str, "run.out_dir": str}
 ALIASES = {"name": "run.name", "out-dir": "run.out_dir"}
-DEFAULT_OUT_DIR = "runs"  # run.out_dir's default (rcgrpo/config/__init__.py), not imported: that would load torch
+DEFAULT_OUT_DIR = "runs"  # run.out_dir's default (rcgrpo/config/schema.py), not imported: that would load torch
 
 
 def usage() -> str:
