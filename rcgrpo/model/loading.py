@@ -11,7 +11,7 @@ that lacks them is extended once into a copy under the rcgrpo cache, in the
 source's dtype (the GGUF default is dequantized to float32: a conversion must
 not round a user's weights). That copy is as large as the model (a 7B in
 bf16: ~15 GB): it is announced, with its size, and refused up front when the
-cache's disk cannot hold it (rcgrpo.training.memory_plan.check_disk).
+cache's disk cannot hold it (rcgrpo.base.host.check_disk).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from rcgrpo.base import json_input
 from rcgrpo.base.errors import UserError
+from rcgrpo.base.host import check_disk
 from rcgrpo.conditioning.reward_tokens import REWARD_TOKEN_PHRASES, REWARD_TOKENS
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
@@ -308,7 +309,6 @@ def _announce_copy(source: str, local: Path, final: Path) -> None:
     """The disk plan of a conversion: its size, said before it is written,
     and refused when the cache's disk cannot hold it."""
     from rcgrpo.run.metrics import log_line
-    from rcgrpo.training.memory_plan import check_disk
 
     need = copy_bytes(local)
     check_disk(final.parent, need, f"the token-extended copy of {source}",
