@@ -214,7 +214,8 @@ def check_memory_plan(cfg: Config, device: torch.device, shape, rctp_entries: in
     naming the ways out. With `rctp_entries` (known once the training entries
     are), the rctp-data stage instead, whose rollouts of the starting model
     are held at once: rctp_entries x rctp.failure_attempts."""
-    from rcgrpo.training.memory_plan import check_stage, device_memory_bytes, plan_stage
+    from rcgrpo.base.host import device_memory_bytes
+    from rcgrpo.training.memory_plan import check_stage, plan_stage
 
     pipeline = PIPELINES[cfg.run.pipeline]
     device_bytes = device_memory_bytes(device)

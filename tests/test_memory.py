@@ -1,19 +1,21 @@
-"""rcgrpo.training.memory_plan: parameter counts from shapes / safetensors headers, and the
-per-rank memory plan that refuses a stage before any model loads."""
+"""rcgrpo.model.shape and rcgrpo.training.memory_plan: parameter counts from shapes /
+safetensors headers, and the per-rank memory plan that refuses a stage before any model
+loads, naming the ways out (rcgrpo.training.memory_ways_out)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from rcgrpo.config import parse_args
+from rcgrpo.base.host import GiB
+from rcgrpo.config import ConfigError, parse_args
+from rcgrpo.model.shape import ModelShape, model_shape
+from rcgrpo.rollout.vllm_engine import CPU_KV_CACHE_GIB
 from rcgrpo.training.memory_plan import (
-    ENGINE_CPU_KV_CACHE,
     ROLLOUT_BYTES_PER_TOKEN,
-    GiB,
     MemoryPlanError,
-    ModelShape,
     check_stage,
-    device_memory_bytes,
     plan_stage,
 )
 
@@ -104,8 +106,6 @@ def test_from_folder_counts_exactly_and_from_config_agrees(tmp_path, family):
     from_folder = ModelShape.from_folder(tmp_path)
     assert from_folder.params == expected
     assert from_folder.tied_embeddings is (family == "llama-tied")
-    import json
-
     assert ModelShape.from_config(json.loads((tmp_path / "config.json").read_text())).params == expected
 
 
@@ -127,7 +127,7 @@ def test_cpu_default_fits_in_24_gb_and_moves_the_right_way():
     # the update counts its weights only, the rollout phase both.
     rl = plan_stage(shape, cfg, "rc-grpo", device_type="cpu", device_bytes=24_000_000_000)
     assert rl.phases["update"]["engine (asleep: weights, no KV cache)"] == 4 * shape.params
-    assert rl.phases["rollout"]["engine (awake)"] == 4 * shape.params + ENGINE_CPU_KV_CACHE
+    assert rl.phases["rollout"]["engine (awake)"] == 4 * shape.params + CPU_KV_CACHE_GIB * GiB
     ckpt = parse_args(["--model.gradient_checkpointing", "true"], check_files=False)
     assert need(ckpt) < need(cfg)
     fused = parse_args(["--fused"], check_files=False)
@@ -258,29 +258,54 @@ def test_summary_is_a_readable_breakdown():
     assert "AdamW state (fp32)" in text and "margin" in text
 
 
-def test_device_memory_bytes_on_cpu():
-    total = device_memory_bytes("cpu")
-    assert total > 1 << 30
-    with open("/proc/meminfo") as f:
-        memtotal = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
-    assert total <= memtotal
-
-
 def test_the_trainer_refuses_the_plan_before_any_weights_load(tmp_path, monkeypatch, capsys):
     """`python -m rcgrpo.train --preset paper-qwen7b` on one 141 GB GPU: a
     folder holding only Qwen2.5-7B's config.json (no weights to load) is
     enough to stop with exit code 2 and the ways out."""
-    import json
-
+    from rcgrpo.base import host
     from rcgrpo.train import main
-    from rcgrpo.training import memory_plan as memory
 
     folder = tmp_path / "qwen7b"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**QWEN7B, "architectures": ["Qwen2ForCausalLM"]}))
-    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 141 * 10**9)
+    monkeypatch.setattr(host, "device_memory_bytes", lambda device: 141 * 10**9)
     code = main(["--preset", "paper-qwen7b", "--fused", "--model", str(folder), "--out-dir", str(tmp_path / "runs")])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "memory plan: stage rctp does not fit" in err and "--model.lora.enabled true" in err
     assert not (tmp_path / "runs").exists()  # refused before the run folder was made
+
+
+def test_a_way_out_is_a_checked_setting():
+    """The ways out re-plan a copy of the config through
+    rcgrpo.config.io.set_setting: a key that is no setting, or a value of the
+    wrong type, is refused instead of set silently."""
+    plan = qwen_plan(paper_cfg())
+    assert plan.replan({"grpo.group_size": 2}).cfg.grpo.group_size == 2
+    assert plan.cfg.grpo.group_size != 2  # a copy: the plan's own config is untouched
+    with pytest.raises(ConfigError, match="grpo.group_sizes"):
+        plan.replan({"grpo.group_sizes": 2})
+    with pytest.raises(ConfigError, match="run.fused"):
+        plan.replan({"run.fused": "yes"})
+
+
+def test_model_shape_reads_a_folder_and_leaves_the_embedded_model_to_resolving(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    assert model_shape(str(tmp_path)) == ModelShape.from_config(SMOLLM2)
+    assert model_shape("embedded:smollm2-135m-instruct") is None
+    assert model_shape("embedded:smollm2-135m-instruct", resolved=tmp_path) == ModelShape.from_config(SMOLLM2)
+
+
+@pytest.mark.parametrize("name, home", [("ModelShapeError", "rcgrpo.model.shape"),
+                                        ("device_memory_bytes", "rcgrpo.base.host"),
+                                        ("check_disk", "rcgrpo.base.host"), ("DiskPlanError", "rcgrpo.base.host")])
+def test_names_that_moved_out_of_the_memory_plan_still_resolve_with_a_warning(name, home):
+    import importlib
+
+    from rcgrpo.training import memory_plan
+
+    with pytest.warns(DeprecationWarning, match=f"moved to {home}.{name}"):
+        old = getattr(memory_plan, name)
+    assert old is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError):
+        memory_plan.no_such_name  # noqa: B018

@@ -119,6 +119,7 @@ def test_toy_model_gets_phrase_mean_rows_without_shrinking_or_rounding(tmp_path,
         assert not torch.equal(new[ids[HIGH_REWARD]], new[ids[LOW_REWARD]])
 
     policy = models.load_policy(folder)
+    assert isinstance(policy, models.LoadedModel)
     emb = policy.model.get_input_embeddings().weight
     assert emb.shape[0] == policy.model.config.vocab_size == rows
     head_is_emb = policy.model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
@@ -161,6 +162,16 @@ def test_second_resolve_reuses_the_cache(policy):
     assert (policy.path / "rcgrpo_model.json").is_file()
     assert (policy.path / "tokenizer.json").is_file()
     assert not (policy.path / "config.json").read_text().count("gguf")  # plain checkpoint
+
+
+def test_policy_is_the_old_name_of_loaded_model():
+    """A loaded model + tokenizer is a LoadedModel (the trained policy is
+    rcgrpo.model.policy.TrainablePolicy); `Policy` still names it, for one
+    release, with a warning."""
+    with pytest.warns(DeprecationWarning, match="LoadedModel"):
+        assert models.Policy is models.LoadedModel
+    with pytest.raises(AttributeError):
+        models.NoSuchName  # noqa: B018
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):

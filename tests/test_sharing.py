@@ -131,7 +131,7 @@ def test_the_conversion_is_announced_with_its_size(tmp_path, tokenizer, monkeypa
     disk cannot hold it, and a folder that has the tokens is used in place."""
     from types import SimpleNamespace
 
-    from rcgrpo.training.memory_plan import DiskPlanError
+    from rcgrpo.base.host import DiskPlanError
 
     monkeypatch.setenv("RCGRPO_CACHE", str(tmp_path / "cache"))
     user = save_hub_model(tmp_path / "m", tokenizer, tied=True)

