@@ -24,6 +24,7 @@ from rcgrpo.base.stages import FINETUNE_STAGES, PIPELINES, RL_STAGES
 from rcgrpo.conditioning.prompts import DOC_STYLES
 from rcgrpo.conditioning.reward_tokens import CONDITIONING_NAMES, HIGH_REWARD
 from rcgrpo.envs.data import CATEGORIES
+from rcgrpo.model.shape import LAYER_PROJECTIONS
 from rcgrpo.rollout import ENGINES
 from rcgrpo.run.trackers import TRACKERS
 
@@ -94,7 +95,7 @@ class LoraConfig:
     alpha: float = _f(32.0, "LoRA alpha (scale = alpha / r)", gt=0)
     dropout: float = _f(0.05, "LoRA dropout, in [0, 1)", ge=0, lt=1)
     target_modules: list[str] = _f(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "modules that get adapters",
+        list(LAYER_PROJECTIONS), "modules that get adapters",
         nonempty=True,
     )
 
