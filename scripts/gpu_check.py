@@ -55,8 +55,8 @@ import torch  # noqa: E402
 from kernels_testlib import assert_close  # noqa: E402
 
 import rcgrpo_kernels  # noqa: E402
-from benchmarks.fused_loss_case import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
 from rcgrpo.base.atomic import atomic_write_text  # noqa: E402
+from scripts.fused_loss_case import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
 
 GIB = 1 << 30
 
