@@ -41,8 +41,9 @@ import torch
 
 from benchmarks import scale
 from benchmarks.fresh_process import GIB, child_env, mem_available, run_module
-from benchmarks.fused_loss_case import expected_peak, make_fn, make_inputs
+from benchmarks.fused_loss_case import expected_peak
 from benchmarks.scoreboard import Comparison
+from scripts.fused_loss_case import make_fn, make_inputs
 
 BIG = "H896-V151936"
 SHAPES = scale.pick(smoke={"H64-V3000": (64, 3000)}, quick={BIG: (896, 151936)},

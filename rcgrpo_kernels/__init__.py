@@ -12,7 +12,8 @@ reads: ``LOSS_TYPES`` (reductions, with verl's and TRL's names,
 ``loss_types.py``), ``KL_ESTIMATORS`` (``kl_estimators.py``),
 ``ADVANTAGE_ESTIMATORS`` (``advantage_estimators.py``); the per-token
 objective and its settings (clip range, dual clip, clamps) are
-``objective.py``.
+``objective.py``; all the settings of one fused-linear loss call travel to
+its implementations as one ``LossSettings`` (``loss_settings.py``).
 """
 
 from .advantage_estimators import (

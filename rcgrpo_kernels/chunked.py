@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from . import advantage_estimators, loss_types, packing
+from .loss_settings import LossSettings
 from .objective import Objective, token_terms
 
 CHUNK_ROWS = 256  # rows per chunk; see module docstring
@@ -291,18 +292,19 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-                objective, temperature, loss_type, max_tokens, compute_entropy, need_grad, chunk_rows, token_weights):
+                token_weights, settings, need_grad, chunk_rows):
         n, hdim = hidden.shape
         v = weight.shape[0]
         dev = hidden.device
-        pos, adv, w = _per_token_inputs(loss_mask, cu_seqlens, advantages, loss_type, max_tokens,
+        objective, compute_entropy = settings.objective, settings.compute_entropy
+        pos, adv, w = _per_token_inputs(loss_mask, cu_seqlens, advantages, settings.loss_type, settings.max_tokens,
                                         token_weights, n)
         m = pos.numel()
         old = packing.gather_per_token(old_logp, pos, n)
         ref = packing.gather_per_token(ref_logp, pos, n)
         tgt = targets.reshape(-1).long().index_select(0, pos)
         w32, b32 = _weights32(weight, bias)
-        inv_t = 1.0 / temperature
+        inv_t = 1.0 / settings.temperature
         step = _rows_per_chunk(v, chunk_rows)
 
         want_h = need_grad and ctx.needs_input_grad[0]
@@ -370,19 +372,16 @@ class _FusedLinearGrpoLoss(torch.autograd.Function):
             dweight = scaled(dw, w_dtype)
         if db is not None:
             dbias = scaled(db, b_dtype)
-        return (dhidden, dweight, dbias) + (None,) * 14
+        return (dhidden, dweight, dbias) + (None,) * 10
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp=None,
-                           ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, temperature=1.0,
-                           loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False,
-                           chunk_rows=None, token_weights=None, clip_ratio_c=None, kl_estimator="k3",
-                           log_ratio_clamp=None, kl_clamp=None):
-    loss_types.get_loss_type(loss_type)
-    objective = Objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp)
+                           ref_logp=None, bias=None, token_weights=None, *, settings: LossSettings,
+                           chunk_rows=None):
+    """``chunk_rows``: rows per chunk (None: ``_rows_per_chunk``'s choice)."""
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     loss, *vals = _FusedLinearGrpoLoss.apply(
-        hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp, objective,
-        float(temperature), loss_type, max_tokens, bool(compute_entropy), need_grad, chunk_rows, token_weights)
-    return loss, dict(zip(objective.stat_keys(ref_logp is not None, compute_entropy), vals))
+        hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp, token_weights,
+        settings, need_grad, chunk_rows)
+    return loss, dict(zip(settings.stat_keys(ref_logp is not None), vals))

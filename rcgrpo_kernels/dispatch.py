@@ -4,7 +4,8 @@
 otherwise; ``impl="reference" | "chunked" | "triton"`` forces one. The
 Triton modules are imported only when used, so ``import rcgrpo_kernels`` needs no
 GPU, and ``TRITON_INTERPRET=1`` set before the first Triton call still takes
-effect.
+effect. ``fused_linear_grpo_loss`` checks its settings once into a
+``LossSettings`` (``loss_settings.py``), the one object its implementations take.
 
 Conventions shared by every function (the packed batch of rcgrpo/batch.py):
 
@@ -32,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from . import advantage_estimators, chunked, loss_types, objective, reference
+from . import advantage_estimators, chunked, loss_settings, loss_types, objective, reference
 
 IMPLS = ("reference", "chunked", "triton")
 
@@ -428,8 +429,7 @@ def fused_linear_grpo_loss(
     _tensor("targets", targets, dim=1, kind="int", numel=n)
     _check_packed(n, loss_mask, cu_seqlens, advantages)
     obj = _objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp, ref_logp)
-    _max_tokens(loss_type, max_tokens)
-    temperature = objective.finite_number("temperature", temperature, 0.0, strict=True)
+    settings = loss_settings.LossSettings(obj, loss_type, max_tokens, temperature, compute_entropy)
     m = int(loss_mask.sum())
     _per_token("old_logp", old_logp, n, m)
     _per_token("ref_logp", ref_logp, n, m)
@@ -438,15 +438,11 @@ def fused_linear_grpo_loss(
                  cu_seqlens=cu_seqlens, old_logp=old_logp, ref_logp=ref_logp, bias=bias, token_weights=token_weights)
     _check_targets(targets, weight.shape[0], rows=loss_mask.reshape(-1).bool())
     which = _choose(impl, hidden, weight)
-    args = (hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-            obj.eps_low, obj.eps_high, obj.beta, temperature, loss_type, bias)
-    kw = dict(max_tokens=max_tokens, compute_entropy=compute_entropy, token_weights=token_weights,
-              clip_ratio_c=clip_ratio_c, kl_estimator=kl_estimator, log_ratio_clamp=log_ratio_clamp,
-              kl_clamp=kl_clamp)
+    args = (hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp, bias, token_weights)
     if which == "reference":
-        return reference.fused_linear_grpo_loss(*args, **kw)
+        return reference.fused_linear_grpo_loss(*args, settings=settings)
     if which == "chunked":
-        return chunked.fused_linear_grpo_loss(*args, **kw)
+        return chunked.fused_linear_grpo_loss(*args, settings=settings)
     from .triton import fused_linear_grpo_loss as fused
 
-    return fused.fused_linear_grpo_loss(*args, **kw)
+    return fused.fused_linear_grpo_loss(*args, settings=settings)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import advantage_estimators, kl_estimators
+from .loss_settings import LossSettings
 from .loss_types import get_loss_type
 from .objective import Objective
 
@@ -133,21 +134,28 @@ def grpo_loss(
     beta: float = 0.0,
     loss_type: str = "grpo",
     max_tokens: Optional[float] = None,
-    entropy: Optional[torch.Tensor] = None,
     token_weights: Optional[torch.Tensor] = None,
     clip_ratio_c: Optional[float] = None,
     kl_estimator: str = "k3",
     log_ratio_clamp: Optional[float] = None,
     kl_clamp: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict]:
-    """``entropy`` ([N] fp32 per-token entropies) only feeds the statistic;
-    the fused-linear reference passes it when asked. ``token_weights`` [N]
-    multiplies each token's whole loss (clipped term and KL) before the
-    reduction; it is a constant (no gradient). ``old_logp``, ``ref_logp``
-    and ``token_weights`` may be [N] or [M] (the loss tokens in order)."""
-    reduction = get_loss_type(loss_type)
+    """``token_weights`` [N] multiplies each token's whole loss (clipped term
+    and KL) before the reduction; it is a constant (no gradient).
+    ``old_logp``, ``ref_logp`` and ``token_weights`` may be [N] or [M] (the
+    loss tokens in order)."""
     obj = Objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp)
-    if beta != 0.0 and ref_logp is None:
+    settings = LossSettings(obj, loss_type, max_tokens)
+    return _loss_from_logprobs(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, token_weights, None,
+                               settings)
+
+
+def _loss_from_logprobs(logp, old_logp, ref_logp, advantages, loss_mask, cu_seqlens, token_weights, entropy,
+                        settings: LossSettings):
+    """The loss and stats of both losses from per-token log-probs. ``entropy``
+    ([N] fp32 per-token entropies, or None) only feeds the statistic."""
+    obj = settings.objective
+    if obj.beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp")
     mask = loss_mask.bool()
     n = logp.numel()
@@ -158,8 +166,7 @@ def grpo_loss(
     # NaN into the gradient through the masked-out branch.
     logp = torch.where(mask, logp.float(), torch.zeros((), device=logp.device))
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    num_seqs = lengths.numel()
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=logp.device), lengths)
+    seq_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=logp.device), lengths)
     adv_tok = torch.where(mask, advantages.detach().float()[seq_of_token], torch.zeros((), device=logp.device))
     if old_logp is not None:
         old_logp = torch.where(mask, old_logp.float(), logp.detach())
@@ -172,24 +179,9 @@ def grpo_loss(
         # cannot turn the masked branch's gradient into NaN.
         per_tok = per_tok * torch.where(mask, token_weights.detach().float(), torch.ones_like(per_tok))
     per_tok = torch.where(mask, per_tok, torch.zeros_like(per_tok))
-    n_tok = mask.sum()
+    loss = _reduce(per_tok, mask, cu_seqlens, settings)
 
-    # The reduction from the loss type's definition, sequence by sequence
-    # (the fast paths use its per-sequence weight vector instead).
-    bounds = [(int(cu_seqlens[s]), int(cu_seqlens[s + 1])) for s in range(num_seqs)]
-    counts = torch.tensor([int(mask[a:b].sum()) for a, b in bounds], dtype=torch.long, device=logp.device)
-    if reduction.mean_within_sequence:
-        terms = [per_tok[a:b].sum() / counts[s] for s, (a, b) in enumerate(bounds) if counts[s] > 0]
-    else:
-        terms = [per_tok.sum()]
-    denominator = max(int(reduction.count(counts)), 1)
-    if reduction.scaled_by_max_tokens:
-        if max_tokens is None:
-            max_tokens = max(int(counts.max()) if num_seqs else 1, 1)
-        denominator = denominator * float(max_tokens)
-    loss = torch.stack(terms).sum() / denominator if terms else per_tok.sum() * 0.0
-
-    denom = n_tok.clamp(min=1).float()
+    denom = mask.sum().clamp(min=1).float()
     with torch.no_grad():
         stats = {"clip_frac": (is_clipped & mask).sum().float() / denom}
         if obj.dual_clip:
@@ -201,6 +193,26 @@ def grpo_loss(
     return loss, stats
 
 
+def _reduce(per_tok, mask, cu_seqlens, settings: LossSettings):
+    """The reduction from the loss type's definition, sequence by sequence
+    (the fast paths use its per-sequence weight vector instead)."""
+    reduction = get_loss_type(settings.loss_type)
+    num_seqs = cu_seqlens.numel() - 1
+    bounds = [(int(cu_seqlens[s]), int(cu_seqlens[s + 1])) for s in range(num_seqs)]
+    counts = torch.tensor([int(mask[a:b].sum()) for a, b in bounds], dtype=torch.long, device=per_tok.device)
+    if reduction.mean_within_sequence:
+        terms = [per_tok[a:b].sum() / counts[s] for s, (a, b) in enumerate(bounds) if counts[s] > 0]
+    else:
+        terms = [per_tok.sum()]
+    denominator = max(int(reduction.count(counts)), 1)
+    if reduction.scaled_by_max_tokens:
+        max_tokens = settings.max_tokens
+        if max_tokens is None:
+            max_tokens = max(int(counts.max()) if num_seqs else 1, 1)
+        denominator = denominator * float(max_tokens)
+    return torch.stack(terms).sum() / denominator if terms else per_tok.sum() * 0.0
+
+
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -210,37 +222,25 @@ def fused_linear_grpo_loss(
     cu_seqlens: torch.Tensor,
     old_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    beta: float = 0.0,
-    temperature: float = 1.0,
-    loss_type: str = "grpo",
     bias: Optional[torch.Tensor] = None,
-    max_tokens: Optional[float] = None,
-    compute_entropy: bool = False,
     token_weights: Optional[torch.Tensor] = None,
-    clip_ratio_c: Optional[float] = None,
-    kl_estimator: str = "k3",
-    log_ratio_clamp: Optional[float] = None,
-    kl_clamp: Optional[float] = None,
+    *,
+    settings: LossSettings,
 ) -> tuple[torch.Tensor, dict]:
     mask = loss_mask.bool()
     # The naive path: every token of the packed batch is projected and scored.
     # Rows off the loss mask are zeroed first, so that whatever they hold
     # (NaN, inf) reaches neither the loss nor any gradient.
     hidden = torch.where(mask[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
-    logp_all = torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)
+    logp_all = torch.log_softmax(_logits(hidden, weight, bias, settings.temperature), dim=-1)
     logp = logp_all.gather(-1, targets.long().clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
     entropy = None
-    if compute_entropy:
+    if settings.compute_entropy:
         with torch.no_grad():
             p = logp_all.exp()
             entropy = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0 where a logit is -inf
-    return grpo_loss(
-        logp, old_logp, ref_logp, advantages, mask, cu_seqlens,
-        eps_low, eps_high, beta, loss_type, max_tokens, entropy, token_weights,
-        clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp,
-    )
+    return _loss_from_logprobs(logp, old_logp, ref_logp, advantages, mask, cu_seqlens, token_weights, entropy,
+                               settings)
 
 
 def _scatter_if_gathered(values, mask, n):

@@ -55,8 +55,8 @@ import torch  # noqa: E402
 from kernels_testlib import assert_close  # noqa: E402
 
 import rcgrpo_kernels  # noqa: E402
-from benchmarks.fused_loss_case import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
 from rcgrpo.base.atomic import atomic_write_text  # noqa: E402
+from scripts.fused_loss_case import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
 
 GIB = 1 << 30
 
@@ -190,9 +190,14 @@ def fused_grpo_case(rec, hdim, vocab, n, device, rows_options):
 
     if device == "cuda":
         from rcgrpo_kernels import chunked
+        from rcgrpo_kernels.loss_settings import LossSettings
+        from rcgrpo_kernels.objective import Objective
 
+        # the chunked path called directly, for its chunk size: it takes the settings as one object
+        objective = Objective(**{k: v for k, v in LOSS.items() if k != "loss_type"})
+        settings = LossSettings(objective, LOSS["loss_type"], compute_entropy=True)
         x["hidden"].grad = x["weight"].grad = None
-        want_loss, want_stats = chunked.fused_linear_grpo_loss(*args(), chunk_rows=2048, **kw)
+        want_loss, want_stats = chunked.fused_linear_grpo_loss(*args(), settings=settings, chunk_rows=2048)
         want_loss.backward()
         want = (want_loss.detach(), want_stats, x["hidden"].grad.clone(), x["weight"].grad.clone())
     else:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import loss_types, packing
-from ..objective import Objective
+from ..loss_settings import LossSettings
 from .common import grpo_token, interpreting, search_iters, sequence_of
 from .fused_linear_logprob import as_compute_pair, combine_partials, forward_partials, linear_logprobs_backward
 
@@ -63,20 +63,21 @@ def _grpo_epilogue_kernel(PM, PS, PZT, PEZ, n_splits, POS, CU, ADV, WSEQ, OLD, R
 class FusedLinearGrpoLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp,
-                objective, temperature, loss_type, max_tokens, compute_entropy, token_weights):
+                token_weights, settings):
+        objective, compute_entropy = settings.objective, settings.compute_entropy
         n = hidden.shape[0]
         dev = hidden.device
         mask = loss_mask.reshape(-1).bool()
         pos = packing.loss_positions(mask)
         m = pos.numel()
         counts = packing.loss_token_counts(mask, cu_seqlens)
-        w_seq = loss_types.sequence_weights(counts, loss_type, max_tokens)
+        w_seq = loss_types.sequence_weights(counts, settings.loss_type, settings.max_tokens)
         h, w = as_compute_pair(hidden.index_select(0, pos).contiguous(), weight.contiguous())
         tgt = targets.reshape(-1).index_select(0, pos).contiguous()
         old = packing.gather_per_token(old_logp, pos, n)
         ref = packing.gather_per_token(ref_logp, pos, n)
         tokw = packing.gather_per_token(None if token_weights is None else token_weights.detach(), pos, n)
-        inv_t = 1.0 / temperature
+        inv_t = 1.0 / settings.temperature
 
         f32 = dict(dtype=torch.float32, device=dev)
         lse, coef, loss_tok, clip_tok = (torch.empty(m, **f32) for _ in range(4))
@@ -123,17 +124,12 @@ class FusedLinearGrpoLoss(torch.autograd.Function):
             dhidden,
             None if dw is None else dw.to(w_dtype),
             None if db is None else db.to(bias.dtype),
-        ) + (None,) * 12
+        ) + (None,) * 8
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, advantages, loss_mask, cu_seqlens, old_logp=None,
-                           ref_logp=None, eps_low=0.2, eps_high=0.2, beta=0.0, temperature=1.0,
-                           loss_type="grpo", bias=None, *, max_tokens=None, compute_entropy=False,
-                           token_weights=None, clip_ratio_c=None, kl_estimator="k3", log_ratio_clamp=None,
-                           kl_clamp=None):
-    loss_types.get_loss_type(loss_type)
-    objective = Objective(eps_low, eps_high, beta, clip_ratio_c, kl_estimator, log_ratio_clamp, kl_clamp)
+                           ref_logp=None, bias=None, token_weights=None, *, settings: LossSettings):
     loss, *vals = FusedLinearGrpoLoss.apply(
-        hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp, objective,
-        float(temperature), loss_type, max_tokens, bool(compute_entropy), token_weights)
-    return loss, dict(zip(objective.stat_keys(ref_logp is not None, compute_entropy), vals))
+        hidden, weight, bias, targets, advantages, loss_mask, cu_seqlens, old_logp, ref_logp, token_weights,
+        settings)
+    return loss, dict(zip(settings.stat_keys(ref_logp is not None), vals))

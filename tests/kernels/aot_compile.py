@@ -132,6 +132,8 @@ def run_workload(first_round: bool = True):
     each kind only, which keeps the test inside its time budget."""
     import torch
 
+    from rcgrpo_kernels.loss_settings import LossSettings
+    from rcgrpo_kernels.objective import Objective
     from rcgrpo_kernels.triton import advantage, fused_linear_grpo_loss, fused_linear_logprob, logprob, loss
 
     torch.manual_seed(0)
@@ -166,13 +168,13 @@ def run_workload(first_round: bool = True):
         biases = (None, bias) if dtype == torch.bfloat16 and first_round else (None,)
         for b in biases:
             fused_linear_logprob.fused_linear_logprobs(hidden, weight, targets, 0.9, b).sum().backward()
-        tw = _with_optional(fused_linear_grpo_loss.fused_linear_grpo_loss, token_weights=torch.rand(n),
-                            clip_ratio_c=3.0)
-        for o, r, b, ent, extra in ((None, None, None, False, {}), (old, ref, None, True, {}),
-                                    (old, ref, biases[-1], False, tw)):
+        # the third call: truncated IS weights and the dual clip, as above
+        for o, r, b, ent, tokw, clip_c in ((None, None, None, False, None, None), (old, ref, None, True, None, None),
+                                           (old, ref, biases[-1], False, torch.rand(n), 3.0)):
+            objective = Objective(0.2, 0.28, 0.04 if r is not None else 0.0, clip_ratio_c=clip_c)
             out, _ = fused_linear_grpo_loss.fused_linear_grpo_loss(
-                hidden, weight, targets, adv, mask, cu, o, r, 0.2, 0.28, 0.04 if r is not None else 0.0, 1.0,
-                "grpo", b, compute_entropy=ent, **extra)
+                hidden, weight, targets, adv, mask, cu, o, r, b, tokw,
+                settings=LossSettings(objective, "grpo", temperature=1.0, compute_entropy=ent))
             out.backward()
 
 

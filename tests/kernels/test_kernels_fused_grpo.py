@@ -8,6 +8,8 @@ from kernels_testlib import FAST_IMPLS, SEQLENS, assert_close, leaf, old_ref_for
 
 import rcgrpo_kernels
 from rcgrpo_kernels import chunked
+from rcgrpo_kernels.loss_settings import LossSettings
+from rcgrpo_kernels.objective import Objective
 
 LOSS_TYPES = tuple(rcgrpo_kernels.LOSS_TYPES)  # every registered reduction
 
@@ -115,8 +117,9 @@ def test_chunked_chunks_and_no_grad():
     for rows in (2, 5, None):
         q = {k: leaf(p[k]) for k in ("hidden", "weight", "bias")}
         loss, stats = chunked.fused_linear_grpo_loss(q["hidden"], q["weight"], p["targets"], p["advantages"],
-                                                     p["loss_mask"], p["cu_seqlens"], old, ref, beta=0.04,
-                                                     bias=q["bias"], chunk_rows=rows, compute_entropy=True)
+                                                     p["loss_mask"], p["cu_seqlens"], old, ref, bias=q["bias"],
+                                                     settings=LossSettings(Objective(beta=0.04), compute_entropy=True),
+                                                     chunk_rows=rows)
         (2.0 * loss).backward()  # the upstream gradient must be applied
         outs.append((loss, stats, q))
     for loss, _stats, q in outs[:2]:
@@ -125,8 +128,8 @@ def test_chunked_chunks_and_no_grad():
             assert_close(q[k].grad, outs[2][2][k].grad, what=k, grad=True)
     with torch.no_grad():
         loss, _ = chunked.fused_linear_grpo_loss(p["hidden"], p["weight"], p["targets"], p["advantages"],
-                                                 p["loss_mask"], p["cu_seqlens"], old, ref, beta=0.04,
-                                                 bias=p["bias"])
+                                                 p["loss_mask"], p["cu_seqlens"], old, ref, bias=p["bias"],
+                                                 settings=LossSettings(Objective(beta=0.04)))
     assert_close(loss, outs[2][0], what="no-grad loss")
 
 
