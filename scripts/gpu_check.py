@@ -49,14 +49,14 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels")]
+sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
-from kernels_testlib import assert_close  # noqa: E402
 
 import rcgrpo_kernels  # noqa: E402
 from rcgrpo.base.atomic import atomic_write_text  # noqa: E402
 from scripts.fused_loss_case import LOSS, SEQ, make_fn, make_inputs  # noqa: E402
+from scripts.kernel_tolerance import assert_close  # noqa: E402
 
 GIB = 1 << 30
 

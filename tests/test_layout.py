@@ -179,3 +179,9 @@ def test_readme_lists_the_layers_in_this_order():
 def test_scripts_import_nothing_from_tests_or_benchmarks(script):
     names = {n.split(".")[0] for n in imported_names(script)}
     assert not names & {"tests", "benchmarks"}, f"{script.name} imports {sorted(names & {'tests', 'benchmarks'})}"
+    # ... nor through sys.path: no statement that changes it names those folders
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    for statement in ast.walk(tree):
+        if isinstance(statement, (ast.Assign, ast.AugAssign, ast.Expr)) and "sys.path" in ast.unparse(statement):
+            named = {n.value for n in ast.walk(statement) if isinstance(n, ast.Constant)} & {"tests", "benchmarks"}
+            assert not named, f"{script.name}:{statement.lineno} puts {sorted(named)} on sys.path"
