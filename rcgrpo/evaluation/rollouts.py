@@ -13,6 +13,7 @@ from rcgrpo.envs.bfcl import load_entries, split_train_test
 from rcgrpo.envs.data import CATEGORIES
 from rcgrpo.evaluation.replay_scoring import accuracy_table
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
+from rcgrpo.run.folder import RunFolder
 
 
 def select_entries(split: str, categories: Sequence[str], subset: int | None) -> list:
@@ -89,7 +90,7 @@ def table_markdown(result: dict, method: str) -> str:
 
 def write_eval(result: dict, out_dir: Path, method: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / "eval.json", out_dir / "eval.md"
+    json_path, md_path = RunFolder(out_dir).eval_json, RunFolder(out_dir).eval_md
     atomic_write_text(json_path, json.dumps({**result, "method": method}, indent=1))
     counts = ", ".join(f"{c}: {n}" for c, n in result["n"].items())
     atomic_write_text(md_path, f"# BFCL v4 multi-turn ({counts} entries; accuracy %, official checker)\n\n"

@@ -25,11 +25,12 @@ from typing import Any
 from rcgrpo.base import json_input
 from rcgrpo.base.errors import UserError, one_line
 from rcgrpo.config import Config, config_from_dict, flat_values, resume_safe_keys
+from rcgrpo.run.folder import RunFolder
+from rcgrpo.run.metrics import log_line
 
 __all__ = ["ResumeError", "Difference", "CHANGES_FILE", "config_differences", "check_resume"]
 
-CHANGES_FILE = "config_changes.jsonl"
-SAVED_CONFIG = "config.json"
+CHANGES_FILE = RunFolder.CONFIG_CHANGES  # the old name, still imported
 # About this invocation, not about the run.
 _NOT_COMPARED = frozenset({"run.resume", "run.accept_changes"})
 
@@ -58,11 +59,11 @@ def existing_runs(out_dir: Path) -> list[str]:
     """Names of the runs under `out_dir` (folders holding a saved config)."""
     if not out_dir.is_dir():
         return []
-    return sorted(p.name for p in out_dir.iterdir() if (p / SAVED_CONFIG).is_file())
+    return sorted(p.name for p in out_dir.iterdir() if RunFolder(p).config_json.is_file())
 
 
 def load_saved_config(run_dir: Path) -> Config:
-    path = run_dir / SAVED_CONFIG
+    path = RunFolder(run_dir).config_json
     try:
         data = json_input.read_file(path, expect=dict)
         return config_from_dict(data, source=str(path), check_files=False)
@@ -75,7 +76,8 @@ def check_resume(cfg: Config, write: bool = True) -> list[Difference]:
     it makes that are resume-safe or explicitly accepted. `write`: record them
     (the main rank only)."""
     run_dir = cfg.run_dir
-    if not (run_dir / SAVED_CONFIG).is_file():
+    folder = RunFolder(run_dir)
+    if not folder.config_json.is_file():
         runs = existing_runs(Path(cfg.run.out_dir))
         there = f"runs there: {', '.join(runs)}" if runs else "there are no runs there"
         raise ResumeError(f"--resume: there is no run {cfg.run.name!r} in {cfg.run.out_dir} ({there}); "
@@ -94,13 +96,11 @@ def check_resume(cfg: Config, write: bool = True) -> list[Difference]:
         raise ResumeError(
             f"--resume of {run_dir} refused: {len(refused)} setting(s) would change what the run trains: "
             + "; ".join(map(str, refused)) + preset
-            + f". Resume with the run's own settings (--config {run_dir / 'config.toml'} --resume), accept the "
+            + f". Resume with the run's own settings (--config {folder.config_toml} --resume), accept the "
             f"change(s) with --run.accept_changes {keys}, or start a new run under another --name"
         )
     if write and differences:
-        from rcgrpo.run.metrics import log_line
-
-        with open(run_dir / CHANGES_FILE, "a", encoding="utf-8") as f:
+        with open(folder.config_changes, "a", encoding="utf-8") as f:
             for d in differences:
                 how = "resume-safe" if d.key in safe else "accepted"
                 f.write(json.dumps({"time": time.time(), "key": d.key, "saved": d.saved, "now": d.now,

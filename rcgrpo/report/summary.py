@@ -27,8 +27,8 @@ from rcgrpo.base.atomic import atomic_write_text
 from rcgrpo.base.errors import UserError
 from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.envs.data import CATEGORIES
+from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.metrics import (
-    METRICS_FILE,
     STANDARD_METRICS,
     MetricsFileError,
     is_finite_number,
@@ -38,8 +38,6 @@ from rcgrpo.run.metrics import (
 
 __all__ = ["write_report", "plot_metrics", "eval_table_markdown", "learning_summary", "ReportError"]
 
-EVAL_FILE = "eval.json"
-REPORT_FILE = "report.md"
 # PNG names earlier versions of the report wrote, one per metric or a grid of
 # all of them; a redraw removes them, so a run folder shows only today's set.
 FORMER_FIGURES = ("reward", "sampled_reward", "steer", "p_expert", "zero_var_frac", "entropy", "kl",
@@ -115,13 +113,12 @@ def _read_eval(path: Path) -> list[dict]:
     return rows
 
 
-def _run_method(run_dir: Path) -> str:
-    cfg_path = run_dir / "config.json"
+def _run_method(folder: RunFolder) -> str:
     try:
-        pipeline = json_input.loads(cfg_path.read_text())["run"]["pipeline"]
+        pipeline = json_input.loads(folder.config_json.read_text())["run"]["pipeline"]
         return METHOD_NAMES.get(pipeline, pipeline)
     except (OSError, ValueError, KeyError, TypeError):
-        return run_dir.name
+        return folder.name
 
 
 def _stage_summary(records: list[dict]) -> list[str]:
@@ -184,30 +181,31 @@ def write_report(run_dir: str | os.PathLike) -> Path:
     unreadable eval.json.
     """
     run_dir = Path(run_dir)
+    folder = RunFolder(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"run folder {run_dir} does not exist")
     try:
-        records, problems = read_records(run_dir / METRICS_FILE)
+        records, problems = read_records(folder.metrics)
     except MetricsFileError as e:
         raise ReportError(str(e)) from e
     if not records:
-        raise ReportError(f"{run_dir / METRICS_FILE} has no metric records")
-    method = _run_method(run_dir)
+        raise ReportError(f"{folder.metrics} has no metric records")
+    method = _run_method(folder)
     plots = plot_metrics(records, run_dir, run_dir.name)
 
     md = [f"# Run report: {run_dir.name}", "", f"Method: {method}.", ""]
     if problems:
         md += ["Notes on the metrics file:", ""] + [f"- {p}" for p in problems] + [""]
-    eval_path = run_dir / EVAL_FILE
+    eval_path = folder.eval_json
     if eval_path.is_file():
         md += ["## Evaluation (accuracy, %)", "", eval_table_markdown(_read_eval(eval_path), method), ""]
     else:
-        md += ["## Evaluation", "", f"No {EVAL_FILE} in this run folder yet.", ""]
+        md += ["## Evaluation", "", f"No {RunFolder.EVAL_JSON} in this run folder yet.", ""]
     learnt = learning_summary(records)
     if learnt:
         md += ["## What it learnt", "", *[f"- {line}" for line in learnt], ""]
     md += ["## Training dynamics", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md += ["## Per-stage summary", ""] + _stage_summary(records)
-    return atomic_write_text(run_dir / REPORT_FILE, "\n".join(md))
+    return atomic_write_text(folder.report, "\n".join(md))
 

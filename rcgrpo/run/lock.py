@@ -14,8 +14,7 @@ import os
 from pathlib import Path
 
 from rcgrpo.base.errors import UserError
-
-LOCK_FILE = ".lock"
+from rcgrpo.run.folder import RunFolder
 
 
 class RunInUseError(UserError, RuntimeError):
@@ -42,7 +41,7 @@ class RunFolderLock:
 
     def acquire(self) -> "RunFolderLock":
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(RunFolder(self.folder).lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -71,7 +70,7 @@ class RunFolderLock:
 
 def holder_of(folder: str | os.PathLike) -> str | None:
     """The pid of the live process holding `folder`, or None when no one does."""
-    path = Path(folder) / LOCK_FILE
+    path = RunFolder(folder).lock
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -35,13 +35,13 @@ from rcgrpo.base import json_input
 from rcgrpo.base.atomic import atomic_output
 from rcgrpo.base.errors import UserError
 from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
+from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.trackers import open_trackers
 
 __all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress",
            "quiet_library_progress", "log_line"]
 
-METRICS_FILE = "metrics.jsonl"
-DROPPED_FILE = "metrics.dropped.jsonl"
+METRICS_FILE = RunFolder.METRICS  # the old name, still imported (rcgrpo.report.cli lists runs by it)
 
 # Names the report knows (name -> what it is); rcgrpo.report.plots draws them by name.
 # Any other numeric key is logged and listed in report.md's per-stage summary.
@@ -186,7 +186,8 @@ class MetricsLogger:
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / METRICS_FILE
+        self.folder = RunFolder(self.run_dir)
+        self.path = self.folder.metrics
         self.stage = stage
         self.resume_step = resume_step
         self._cut()
@@ -203,7 +204,7 @@ class MetricsLogger:
         unreadable: list[tuple[int, str]] = []
         records, problems = read_records(self.path, strict=False, unreadable=unreadable)
         for p in problems:
-            warnings.warn(f"{p}; its text is kept in {self.run_dir / DROPPED_FILE}", stacklevel=3)
+            warnings.warn(f"{p}; its text is kept in {self.folder.metrics_dropped}", stacklevel=3)
         cut = len(records)
         for i, rec in enumerate(records):
             if rec.get("stage") == self.stage and (self.resume_step is None or rec["step"] > self.resume_step):
@@ -211,7 +212,7 @@ class MetricsLogger:
                 break
         kept, dropped = records[:cut], records[cut:]
         if dropped or unreadable:
-            with open(self.run_dir / DROPPED_FILE, "a", encoding="utf-8") as f:
+            with open(self.folder.metrics_dropped, "a", encoding="utf-8") as f:
                 for rec in dropped:
                     f.write(json.dumps(rec) + "\n")
                 # An unreadable line is kept as its text: nothing is lost,

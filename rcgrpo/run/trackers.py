@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
 from rcgrpo.base.errors import UserError
+from rcgrpo.run.folder import RunFolder
 
 __all__ = ["TRACKERS", "missing", "open_trackers", "Tracker", "TrackerError"]
 
@@ -59,7 +60,7 @@ class TensorBoard:
 
         # One folder per stage: purge_step then only rewinds this stage.
         purge = None if resume_step is None else resume_step + 1
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tb" / stage), purge_step=purge)
+        self._writer = SummaryWriter(log_dir=str(RunFolder(run_dir).tensorboard(stage)), purge_step=purge)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for k, v in scalars.items():
