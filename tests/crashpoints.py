@@ -23,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-CHECKPOINT_FILE = str(Path(__file__).resolve().parents[1] / "rcgrpo" / "checkpoint.py")
+CHECKPOINT_FILE = str(Path(__file__).resolve().parents[1] / "rcgrpo" / "run" / "checkpoint.py")
 
 
 def line_of(text: str, function: str) -> int:

@@ -1,7 +1,9 @@
 """What every stage of a run shares: config, device, folders, the tokenizer,
-and how a stage's model is saved for the next stage."""
+how a stage's model is saved for the next stage, and the rollout settings a
+stage plays with (``rollout_settings``)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -11,10 +13,34 @@ import torch
 
 from rcgrpo.base import distributed
 from rcgrpo.base.atomic import atomic_write_text
+from rcgrpo.base.stages import RL_STAGES
 from rcgrpo.config import Config
 from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.rollout.agent_loop import RolloutConfig
 from rcgrpo.run.checkpoint import SaveError, load_latest, save_checkpoint, write_failure
+from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.metrics import DiscardingLogger, MetricsLogger, log_line
+
+
+def rollout_settings(cfg: Config, stage: str, **overrides) -> RolloutConfig:
+    """The rollout settings of `stage`, read from the config in this one
+    place: an RL stage samples at `grpo.temperature` / `grpo.top_p`; eval
+    plays greedily (or at `grpo.temperature`) up to `eval.max_new_tokens` a
+    reply; rctp-data samples the starting model's failures at
+    `rctp.failure_temperature`, and sft's expert data is cut to the same
+    token budgets. `overrides`: what one call varies (an RL step's seeds and
+    weights version, the loss's temperature)."""
+    common = {"seed": cfg.data.seed, "doc_style": cfg.data.doc_style, "max_total_tokens": cfg.grpo.max_total_tokens}
+    if stage in RL_STAGES:
+        settings = RolloutConfig(max_new_tokens=cfg.grpo.max_new_tokens, temperature=cfg.grpo.temperature,
+                                 top_p=cfg.grpo.top_p, progress=False, **common)
+    elif stage == "eval":
+        settings = RolloutConfig(max_new_tokens=cfg.eval.max_new_tokens,
+                                 temperature=0.0 if cfg.eval.greedy else cfg.grpo.temperature, **common)
+    else:
+        settings = RolloutConfig(max_new_tokens=cfg.grpo.max_new_tokens, temperature=cfg.rctp.failure_temperature,
+                                 progress=True, **common)
+    return dataclasses.replace(settings, **overrides)
 
 
 @dataclass
@@ -28,18 +54,22 @@ class RunContext:
     def run_dir(self) -> Path:
         return self.cfg.run_dir
 
+    @property
+    def folder(self) -> RunFolder:
+        return RunFolder(self.cfg.run_dir)
+
     def stage_model_dir(self, stage: str) -> Path:
         """Where a finished stage leaves its policy for the next stage."""
-        return self.run_dir / "models" / stage
+        return self.folder.stage_model(stage)
 
     def stage_done(self, stage: str) -> bool:
         """Written by mark_done after the stage's outputs are in place."""
-        return (self.run_dir / "stages" / f"{stage}.done").exists()
+        return self.folder.done_marker(stage).exists()
 
     def mark_done(self, stage: str, info: dict) -> None:
         if not distributed.is_main():
             return
-        atomic_write_text(self.run_dir / "stages" / f"{stage}.done", json.dumps(info, indent=1))
+        atomic_write_text(self.folder.done_marker(stage), json.dumps(info, indent=1))
 
     def export_model(self, stage: str, policy: TrainablePolicy, start: Path | None = None) -> Path:
         """Save the stage's final policy (safetensors in `model.export_dtype`
@@ -96,7 +126,7 @@ class RunContext:
         return final
 
     def checkpoint_root(self, stage: str) -> Path:
-        return self.run_dir / "checkpoints" / stage
+        return self.folder.checkpoints(stage)
 
     def save(self, stage: str, step: int, policy: TrainablePolicy, optimizer, scheduler) -> None:
         """Every rank calls; rank 0 writes (see sharded_state for the format)."""

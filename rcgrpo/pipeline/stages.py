@@ -1,0 +1,203 @@
+"""The stages of the paper's pipeline as objects, each with one entry,
+``run(section, context)``: `section` is the part of the config the stage is
+about (``cfg.rctp``, ``cfg.sft``, ``cfg.grpo``, ``cfg.eval``), `context` what
+the stages of one invocation share and hand on (``PipelineContext``).
+``STAGES`` maps each stage name of ``rcgrpo.base.stages`` to its object.
+
+A stage that trains leaves its policy in ``models/<stage>`` and the context's
+``current`` pointing there, where the next stage starts; every stage but eval
+marks itself done (``stages/<stage>.done``) once its outputs are in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rcgrpo.base import distributed
+from rcgrpo.config import Config
+from rcgrpo.data.divergence import divergences
+from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
+from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
+from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.pipeline.engine import RunEngine
+from rcgrpo.pipeline.prepare import rctp_data_needs_engine
+from rcgrpo.pipeline.push import push_finished_stage
+from rcgrpo.run.folder import RunFolder
+from rcgrpo.run.metrics import log_line
+from rcgrpo.training.context import RunContext, rollout_settings
+from rcgrpo.training.finetune import finetune
+from rcgrpo.training.grpo import train_rl
+from rcgrpo.training.steer import probe_pairs
+
+
+@dataclasses.dataclass
+class PipelineContext:
+    """What the stages of one invocation share: the run (config, device,
+    tokenizer, folder), the training entries, the reward tokens' ids and
+    the one rollout engine; and what they hand on: the policy the next stage
+    starts from (`current`) and what each left, for the run's last line
+    (`produced`)."""
+
+    run: RunContext
+    entries: list
+    token_ids: list[int]
+    engine: RunEngine
+    current: Path
+    produced: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def cfg(self) -> Config:
+        return self.run.cfg
+
+    @property
+    def folder(self) -> RunFolder:
+        return self.run.folder
+
+    @property
+    def tokenizer(self):
+        return self.run.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.device
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.run.tokenizer)
+
+    def hand_on(self, stage: str, policy: TrainablePolicy, info: dict) -> None:
+        """A trained stage's last step: its policy exported where the next
+        stage starts, the stage marked done, pushed to the Hub if asked."""
+        self.current = self.run.export_model(stage, policy, start=self.current)
+        self.run.mark_done(stage, info)
+        push_finished_stage(self.cfg, self.run, stage)
+        self.produced.append(str(self.current))
+
+    def load_policy(self, reference: bool) -> TrainablePolicy:
+        return TrainablePolicy.load(self.current, self.cfg.model, self.device, reference=reference,
+                                    token_ids=self.token_ids)
+
+
+class Stage:
+    """One stage: its name, the config section it reads, whether it leaves a
+    policy for the next stage (`trains`) and whether a finished one is
+    skipped on --resume (`marks_done`)."""
+
+    section = ""
+    trains = True
+    marks_done = True
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def run(self, section, context: PipelineContext) -> None:
+        raise NotImplementedError
+
+
+class RctpDataStage(Stage):
+    """RCTP's data set: expert trajectories and the starting model's failures,
+    reward-tagged, saved as the run folder's rctp_data.jsonl (or a given
+    `rctp.data_file` read and saved there)."""
+
+    section, trains = "rctp", False
+
+    def run(self, section, context: PipelineContext) -> None:
+        cfg, tokenizer = context.cfg, context.tokenizer
+        settings = rollout_settings(cfg, self.name)
+        if section.data_file:
+            records = load_records(section.data_file, context.vocab_size)
+        elif not rctp_data_needs_engine(section):
+            records = build_rctp(None, context.entries, tokenizer, settings, section,
+                                 cfg.data.seed) if distributed.is_main() else []
+        else:
+            # Every rank starts its engine (vLLM's process groups form
+            # collectively); rank 0 alone builds the set, the others wait.
+            with context.engine.phase(context.current) as live:
+                records = build_rctp(live, context.entries, tokenizer, settings, section,
+                                     cfg.data.seed) if distributed.is_main() else []
+        if distributed.is_main():
+            data_path = context.folder.rctp_data
+            save_records(records, data_path)
+            context.run.mark_done(self.name, summary(records))
+            log_line(f"[{self.name}] {summary(records)} -> {data_path}")
+            context.produced.append(f"{data_path} ({len(records)} records)")
+        distributed.barrier()
+
+
+def rctp_trajectories(section, context: PipelineContext) -> tuple[list, list]:
+    """RCTP trains on the reward-tagged set (the run folder's, else the given
+    file) and measures its steer on a sample of the set's divergent pairs."""
+    own = context.folder.rctp_data
+    records = load_records(own if own.exists() or not section.data_file else section.data_file,
+                           context.vocab_size)
+    trajectories = [r.trajectory() for r in records]
+    return trajectories, probe_pairs(divergences(records), section.steer_pairs, context.cfg.data.seed)
+
+
+def expert_trajectories(section, context: PipelineContext) -> tuple[list, list]:
+    """SFT trains on the expert trajectories alone, untagged."""
+    records = expert_records(context.entries, context.tokenizer, rollout_settings(context.cfg, "sft"), tagged=False)
+    return [r.trajectory() for r in records], []
+
+
+class FinetuneStage(Stage):
+    """Supervised fine-tuning of the current policy: RCTP on the tagged set,
+    SFT on expert data (`trajectories` gathers which)."""
+
+    def __init__(self, name: str, trajectories: Callable[..., tuple[list, list]]):
+        super().__init__(name)
+        self.section, self.trajectories = name, trajectories
+
+    def run(self, section, context: PipelineContext) -> None:
+        trajectories, pairs = self.trajectories(section, context)
+        policy = context.load_policy(reference=False)
+        finetune(context.run, self.name, policy, trajectories, section,
+                 steer_pairs=pairs, steer_every=context.cfg.rctp.steer_every)
+        context.hand_on(self.name, policy, {"trajectories": len(trajectories)})
+
+
+class RlStage(Stage):
+    """GRPO / RC-GRPO on the training entries, rollouts from the run's engine."""
+
+    section = "grpo"
+
+    def run(self, section, context: PipelineContext) -> None:
+        live = context.engine.start(context.current)
+        # LoRA: the reference is the same model with its adapters off, not a second copy.
+        policy = context.load_policy(reference=section.beta > 0)
+        train_rl(context.run, self.name, policy, live, context.entries, finetune_stage=context.cfg.finetune_stage)
+        context.engine.holds = None  # the last update's weights were never pushed
+        context.hand_on(self.name, policy, {"steps": section.steps})
+
+
+class EvalStage(Stage):
+    """BFCL accuracy of the current policy, per category (eval.json /
+    eval.md, printed). Run again on every invocation that names it."""
+
+    section, trains, marks_done = "eval", False, False
+
+    def run(self, section, context: PipelineContext) -> None:
+        s = rollout_settings(context.cfg, self.name)
+        # Rank 0 evaluates; the other ranks only hold their engines alongside.
+        with context.engine.phase(context.current) as live:
+            result = evaluate(live, context.tokenizer,
+                              select_entries(section.split, section.categories, section.subset),
+                              section.conditioning, section.greedy, s.max_new_tokens, s.max_total_tokens,
+                              s.temperature, s.seed, s.doc_style) if distributed.is_main() else None
+        if result is not None:
+            _, md_path = write_eval(result, context.folder.path, context.cfg.run.pipeline)
+            print(md_path.read_text())
+            context.produced.append(str(md_path))
+
+
+STAGES: dict[str, Stage] = {
+    "rctp-data": RctpDataStage("rctp-data"),
+    "sft": FinetuneStage("sft", expert_trajectories),
+    "rctp": FinetuneStage("rctp", rctp_trajectories),
+    "grpo": RlStage("grpo"),
+    "rc-grpo": RlStage("rc-grpo"),
+    "eval": EvalStage("eval"),
+}
