@@ -1,7 +1,8 @@
 """Where every file of a run lives: ``runs/<name>/`` and the names in it.
 
-Every module that reads or writes a run's files asks a ``RunFolder`` for the
-path, so that the folder's layout is written down once, here::
+A module that reads or writes a run's files asks a ``RunFolder`` for the
+path rather than joining names, so that the folder's layout is written down
+once, here::
 
     runs/<name>/
       .lock                       the live trainer's pid (rcgrpo.run.lock)
@@ -24,7 +25,8 @@ from pathlib import Path
 
 
 class RunFolder:
-    """The paths of one run folder; nothing is created or read here."""
+    """The paths of one run folder. Nothing is created here; only the
+    folder's listing is read (`plots`, `holds_nothing_saved`, `taken`)."""
 
     CONFIG_TOML = "config.toml"
     CONFIG_JSON = "config.json"
