@@ -11,6 +11,7 @@ from rcgrpo import rollout
 from rcgrpo.base import distributed
 from rcgrpo.config import Config
 from rcgrpo.rollout.engine import awake
+from rcgrpo.rollout.vllm_engine import CPU_KV_CACHE_GIB
 from rcgrpo.run.checkpoint import folder_weights
 
 
@@ -48,7 +49,8 @@ def engine_kwargs(cfg: Config, device: torch.device) -> dict:
     if cfg.run.engine == "hf":
         return {}
     kwargs = {"dtype": "float32" if device.type == "cpu" else cfg.model.dtype,
-              "max_model_len": cfg.grpo.max_total_tokens, "seed": cfg.data.seed, "kv_cache_gib": 2,
+              "max_model_len": cfg.grpo.max_total_tokens, "seed": cfg.data.seed,
+              "kv_cache_gib": CPU_KV_CACHE_GIB,
               "gpu_memory_utilization": cfg.run.engine_memory_fraction}
     if distributed.active():
         # Under torchrun every rank builds its own in-process engine on the

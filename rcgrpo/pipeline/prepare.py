@@ -1,6 +1,7 @@
 """Every check a run makes before it claims a run folder: the device, a
 refused resume, a Hub repo to push to, the memory plan, the model folder, the
-training entries and the RCTP data a stage will read. A problem found here
+training entries and the RCTP data a stage will read (the model's shape:
+rcgrpo.model.shape; the plan: rcgrpo.training.memory_plan). A problem found here
 leaves no folder behind and no weights loaded (only the tokenizer)."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rcgrpo.base import distributed
+from rcgrpo.base import distributed, host
 from rcgrpo.base.errors import UserError
 from rcgrpo.base.stages import RL_STAGES, TRAINED_STAGES
 from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
@@ -22,12 +23,11 @@ from rcgrpo.envs.bfcl import Episode, load_entries, split_train_test
 from rcgrpo.evaluation.rollouts import named_entries
 from rcgrpo.model.hub import check_push
 from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+from rcgrpo.model.shape import model_shape
 from rcgrpo.pipeline.resume import check_resume
 from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.lock import holder_of, in_use
-
-# Through the module, not names bound at import: tests replace its device_memory_bytes.
-from rcgrpo.training import memory_plan
+from rcgrpo.training.memory_plan import check_stage, plan_stage
 
 
 def pick_device(name: str) -> torch.device:
@@ -120,24 +120,6 @@ def check_rctp_data(cfg: Config, vocab_size: int) -> None:
         load_records(own, vocab_size=vocab_size)
 
 
-def model_shape(name_or_path: str, resolved: Path | None = None):
-    """The shapes the memory plan needs, read without loading weights: a
-    resolved or local folder's config.json and safetensors headers, else a hub
-    model's config.json; None when neither can be read (offline hub id)."""
-    local = resolved or Path(name_or_path).expanduser()
-    if local.is_dir():
-        return memory_plan.ModelShape.from_folder(local)
-    if name_or_path.startswith("embedded:"):
-        return None  # resolved first: a cached conversion, no download
-    try:
-        # Imported here: transformers takes seconds to import, and a local folder never needs it.
-        from transformers import AutoConfig
-
-        return memory_plan.ModelShape.from_config(AutoConfig.from_pretrained(name_or_path).to_dict())
-    except Exception:  # offline, private, or not a transformers model: resolving will say which
-        return None
-
-
 def rctp_data_needs_engine(rctp) -> bool:
     """Whether building the RCTP set (`rctp`: the config's rctp section) plays
     rollouts (near misses and a given data file need no engine)."""
@@ -152,9 +134,10 @@ def check_memory_plan(cfg: Config, device: torch.device, shape, rctp_entries: in
     are), the rctp-data stage instead, whose rollouts of the starting model
     are held at once: rctp_entries x rctp.failure_attempts."""
     pipeline = PIPELINES[cfg.run.pipeline]
-    device_bytes = memory_plan.device_memory_bytes(device)
+    # Through the module, not a name bound at import: tests replace host.device_memory_bytes.
+    device_bytes = host.device_memory_bytes(device)
     # On a GPU the rollouts are held in the host's memory (on CPU it is the device).
-    host_bytes = memory_plan.device_memory_bytes("cpu") if device.type == "cuda" else 0
+    host_bytes = host.device_memory_bytes("cpu") if device.type == "cuda" else 0
     builds_with_engine = "rctp-data" in cfg.stages and rctp_data_needs_engine(cfg.rctp)
     if rctp_entries is None:
         stages = [s for s in cfg.stages if s in TRAINED_STAGES]
@@ -164,7 +147,7 @@ def check_memory_plan(cfg: Config, device: torch.device, shape, rctp_entries: in
         earlier = pipeline[:pipeline.index(stage)]
         # The run's one engine lives on once a stage started it.
         engine_alive = stage in RL_STAGES or ("rctp-data" in earlier and builds_with_engine)
-        memory_plan.check_stage(memory_plan.plan_stage(
+        check_stage(plan_stage(
             shape, cfg, stage, world_size=distributed.world_size(),
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device_type=device.type,
             device_bytes=device_bytes, engine_alive=engine_alive, host_bytes=host_bytes,
