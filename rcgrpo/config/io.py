@@ -23,6 +23,7 @@ from rcgrpo.base.atomic import atomic_write_text
 from rcgrpo.base.command_line import deprecated, optional_inner, type_name
 from rcgrpo.config.schema import Config, ConfigError, all_keys
 from rcgrpo.config.validation import finalize
+from rcgrpo.run.folder import RunFolder
 
 try:
     import tomllib
@@ -220,11 +221,11 @@ def config_to_toml(cfg: Config) -> str:
 def save_config(cfg: Config, run_dir: str | os.PathLike | None = None) -> Path:
     """Write config.toml and config.json into `run_dir` (default: the run's
     folder), atomically; returns the path of config.toml."""
-    d = Path(run_dir) if run_dir is not None else cfg.run_dir
-    d.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(d / "config.toml", config_to_toml(cfg))
-    atomic_write_text(d / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
-    return d / "config.toml"
+    folder = RunFolder(run_dir if run_dir is not None else cfg.run_dir)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder.config_toml, config_to_toml(cfg))
+    atomic_write_text(folder.config_json, json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return folder.config_toml
 
 
 def config_from_dict(d: dict, source: str = "dict", check_files: bool = True) -> Config:

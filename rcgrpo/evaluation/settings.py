@@ -11,6 +11,7 @@ from pathlib import Path
 from rcgrpo.base.errors import UserError
 from rcgrpo.conditioning.reward_tokens import stage_saw_reward_tokens
 from rcgrpo.config import Config, ConfigError, load_config
+from rcgrpo.run.folder import RunFolder
 
 SETTINGS = ("max_new_tokens", "max_total_tokens", "doc_style", "conditioning")
 
@@ -67,8 +68,8 @@ def run_stage_of(model: str) -> tuple[Path, str] | None:
     if not path.is_dir():
         return None
     path = path.resolve()
-    config = path.parent.parent / "config.toml"
-    if path.parent.name != "models" or not config.is_file():
+    config = RunFolder(path.parent.parent).config_toml
+    if path.parent.name != RunFolder.MODELS or not config.is_file():
         return None
     return config, path.name
 

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from rcgrpo.base.command_line import CommandLineError, Section, deprecated, format_help, read_flags, split_argv
 from rcgrpo.base.errors import DEBUG_ENV, run_command
+from rcgrpo.run.folder import RunFolder
 
 PROG = "rcgrpo.report"
 KEYS = {"run.name": str, "run.out_dir": str}
@@ -38,9 +39,7 @@ def usage() -> str:
 
 def _runs(out_dir: Path) -> list[str]:
     """The runs in `out_dir` that have metrics to report."""
-    from rcgrpo.run.metrics import METRICS_FILE
-
-    return sorted(p.name for p in out_dir.iterdir() if (p / METRICS_FILE).is_file()) if out_dir.is_dir() else []
+    return sorted(p.name for p in out_dir.iterdir() if RunFolder(p).metrics.is_file()) if out_dir.is_dir() else []
 
 
 def run_folder(argv: Sequence[str]) -> Path:

@@ -41,7 +41,7 @@ from rcgrpo.run.trackers import open_trackers
 __all__ = ["MetricsLogger", "DiscardingLogger", "STANDARD_METRICS", "read_records", "MetricsFileError", "progress",
            "quiet_library_progress", "log_line"]
 
-METRICS_FILE = RunFolder.METRICS  # the old name, still imported (rcgrpo.report.cli lists runs by it)
+METRICS_FILE = RunFolder.METRICS  # the old name, for code written against it; goes in rcgrpo 0.2
 
 # Names the report knows (name -> what it is); rcgrpo.report.plots draws them by name.
 # Any other numeric key is logged and listed in report.md's per-stage summary.
