@@ -75,6 +75,7 @@ def evaluate_model(args) -> int:
     from rcgrpo.evaluation.rollouts import evaluate, named_entries, select_entries, write_eval
     from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
     from rcgrpo.rollout import make_engine
+    from rcgrpo.rollout.agent_loop import RolloutConfig
 
     categories = args.categories
     entries = select_entries(args.split, categories, args.subset)
@@ -83,9 +84,9 @@ def evaluate_model(args) -> int:
     folder = resolve_model_folder(args.model)
     kwargs = {} if args.engine == "hf" else {"max_model_len": settings.max_total_tokens}
     engine = make_engine(args.engine, folder, **kwargs)
-    result = evaluate(engine, load_tokenizer(folder), entries, settings.conditioning, greedy=True,
-                      max_new_tokens=settings.max_new_tokens, max_total_tokens=settings.max_total_tokens,
-                      doc_style=settings.doc_style)
+    greedy = RolloutConfig(max_new_tokens=settings.max_new_tokens, max_total_tokens=settings.max_total_tokens,
+                           temperature=0.0, doc_style=settings.doc_style)
+    result = evaluate(engine, load_tokenizer(folder), entries, settings.conditioning, greedy)
     result["settings"] = {**result.get("settings", {}), **settings.to_dict()}
     out = args.out or Path("runs") / "eval" / "".join(c if c.isalnum() or c in "-_." else "_" for c in str(args.model))
     _, md_path = write_eval(result, out, str(args.model))

@@ -42,15 +42,14 @@ def named_entries(pool: Sequence, ids: Sequence[str], label: str, where: str) ->
     return [e for e in pool if e.id in wanted]
 
 
-def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", greedy: bool = True,
-             max_new_tokens: int = 512, max_total_tokens: int = 8192, temperature: float = 1.0,
-             seed: int = 0, doc_style: str = "compact") -> dict:
-    """{"categories": {cat: accuracy}, "overall": accuracy over all entries
-    (the paper's), "macro": mean over categories, "n": {cat: entries},
-    "reward": {cat: mean reward}, "rows": per entry}."""
-    config = RolloutConfig(max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
-                           temperature=0.0 if greedy else temperature, seed=seed, doc_style=doc_style)
-    rollouts = run_episodes(engine, tokenizer, list(entries), group_size=1, config=config,
+def evaluate(engine, tokenizer, entries: Sequence, conditioning: str, settings: RolloutConfig) -> dict:
+    """One rollout per entry under `conditioning`'s reward token, with the
+    rollout `settings` (temperature 0: greedy; the trainer's eval stage gets
+    them from rcgrpo.training.context.rollout_settings, rcgrpo-eval from a
+    saved model's run). {"categories": {cat: accuracy}, "overall": accuracy
+    over all entries (the paper's), "macro": mean over categories, "n": {cat:
+    entries}, "reward": {cat: mean reward}, "rows": per entry}."""
+    rollouts = run_episodes(engine, tokenizer, list(entries), group_size=1, config=settings,
                             reward_tokens=token_named(conditioning))
     by_cat: dict[str, list] = defaultdict(list)
     rows = []
@@ -67,8 +66,9 @@ def evaluate(engine, tokenizer, entries: Sequence, conditioning: str = "high", g
         "n": {c: len(by_cat[c]) for c in cats},
         "reward": {c: sum(r.reward for r in by_cat[c]) / len(by_cat[c]) for c in cats},
         "conditioning": conditioning,
-        "settings": {"conditioning": conditioning, "max_new_tokens": max_new_tokens,
-                     "max_total_tokens": max_total_tokens, "doc_style": doc_style, "greedy": greedy},
+        "settings": {"conditioning": conditioning, "max_new_tokens": settings.max_new_tokens,
+                     "max_total_tokens": settings.max_total_tokens, "doc_style": settings.doc_style,
+                     "greedy": settings.temperature == 0.0},
         "rows": rows,
     }
 

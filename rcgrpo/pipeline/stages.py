@@ -180,13 +180,11 @@ class EvalStage(Stage):
     section, trains, marks_done = "eval", False, False
 
     def run(self, section, context: PipelineContext) -> None:
-        s = rollout_settings(context.cfg, self.name)
+        entries = select_entries(section.split, section.categories, section.subset)
         # Rank 0 evaluates; the other ranks only hold their engines alongside.
         with context.engine.phase(context.current) as live:
-            result = evaluate(live, context.tokenizer,
-                              select_entries(section.split, section.categories, section.subset),
-                              section.conditioning, section.greedy, s.max_new_tokens, s.max_total_tokens,
-                              s.temperature, s.seed, s.doc_style) if distributed.is_main() else None
+            result = evaluate(live, context.tokenizer, entries, section.conditioning,
+                              rollout_settings(context.cfg, self.name)) if distributed.is_main() else None
         if result is not None:
             _, md_path = write_eval(result, context.folder.path, context.cfg.run.pipeline)
             print(md_path.read_text())

@@ -141,10 +141,12 @@ def test_settings_reach_the_rollouts_and_eval_json(in_tmp, monkeypatch, capsys):
     model = make_run(in_tmp, "--pipeline", "sft+grpo", stage="grpo")
     seen = {}
 
-    def fake_evaluate(engine, tokenizer, entries, conditioning, greedy=True, **kwargs):
-        seen.update(kwargs, conditioning=conditioning)
+    def fake_evaluate(engine, tokenizer, entries, conditioning, settings):
+        seen.update(max_new_tokens=settings.max_new_tokens, max_total_tokens=settings.max_total_tokens,
+                    doc_style=settings.doc_style, conditioning=conditioning)
         return {"categories": {"base": 0.0}, "overall": 0.0, "n": {"base": len(entries)}, "reward": {"base": 0.0},
-                "conditioning": conditioning, "settings": {"conditioning": conditioning, "greedy": greedy}, "rows": []}
+                "conditioning": conditioning, "settings": {"conditioning": conditioning,
+                                                           "greedy": settings.temperature == 0.0}, "rows": []}
 
     monkeypatch.setattr(rcgrpo.evaluation.rollouts, "evaluate", fake_evaluate)
     monkeypatch.setattr(rcgrpo.model.loading, "resolve_model_folder", lambda m: Path(m))
