@@ -320,11 +320,16 @@ def test_gradient_checkpointing_keeps_adapter_gradients(policy, trajectories):
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.slow  # the trainer's LoRA stage on the 135M model, run and resumed (~6 s)
-def test_trainer_lora_stage_exports_merged_model_and_resumes_to_the_same_weights(tokenizer, tmp_path, capsys):
+@pytest.mark.slow  # the trainer's LoRA stage on the tiny model, run and resumed (~8 s on a busy 2-core machine)
+def test_trainer_lora_stage_exports_merged_model_and_resumes_to_the_same_weights(tokenizer, tiny_folder, tmp_path,
+                                                                                 capsys):
     """`python -m rcgrpo.train` with LoRA: the stage folder is the merged plain
     model (+ adapter/), checkpoints hold the adapter, and a run resumed from
-    its step-1 checkpoint ends with exactly the uninterrupted run's weights."""
+    its step-1 checkpoint ends with exactly the uninterrupted run's weights.
+    The stage's mechanics, not the model, are the subject: it trains the tiny
+    Llama with the real tokenizer (tests/conftest.py, tiny_folder); the LoRA
+    step on the 135M model is the tests above, and each run's tree parity
+    check is tests/training/test_parity.py's subject."""
     from safetensors.torch import load_file
 
     from rcgrpo.data.rctp import save_records
@@ -336,6 +341,7 @@ def test_trainer_lora_stage_exports_merged_model_and_resumes_to_the_same_weights
     argv = ["--fused", "--stages", "rctp", "--rctp.data_file", str(data), "--rctp.batch_size", "1",
             "--rctp.epochs", "1", "--rctp.lr", "1e-3", "--rctp.warmup_ratio", "0", "--run.checkpoint_every", "1",
             "--run.report_to", "none", "--out-dir", str(tmp_path / "runs"), "--name", "lora", *LORA_ARGS,
+            "--model", str(tiny_folder),
             "--data.entry_ids", "multi_turn_base_1"]  # trained from the data file: spare tokenizing the split
     assert run(parse_args(argv)) == 0
     run_dir = tmp_path / "runs" / "lora"

@@ -86,13 +86,48 @@ print(json.dumps({
 """
 
 
-def _run(pythonpath: list[Path], cwd: Path, model: Path, with_trl: bool) -> tuple[dict, str]:
+def _start(pythonpath: list[Path], cwd: Path, model: Path, with_trl: bool, logs: Path) -> subprocess.Popen:
+    """SCRIPT in a fresh interpreter with `pythonpath`, its output into files
+    in `logs` (not pipes: an unread pipe could block it while the other order runs)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, pythonpath)), CUDA_VISIBLE_DEVICES="")
     code = SCRIPT.replace("sys.argv_model", repr(str(model))).replace("sys.with_trl", repr(with_trl))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+    with open(logs / "stdout", "w") as stdout, open(logs / "stderr", "w") as stderr:
+        return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, stdout=stdout, stderr=stderr,
+                                text=True)
+
+
+def _finish(proc: subprocess.Popen, logs: Path) -> tuple[dict, str]:
+    try:
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = (logs / "stderr").read_text()
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    return json.loads((logs / "stdout").read_text().strip().splitlines()[-1]), stderr
+
+
+@pytest.fixture(scope="module")
+def orders(request, hf_kernels_dir, model_folder, tmp_path_factory):
+    """The subprocess of each path order whose test will run, all started at
+    once so that the short one runs beside the long one (the machine has two
+    cores). One interpreter per order: an order is what `import kernels`
+    resolves to at a process's start, and their package cannot be imported
+    twice in one process (its Rust extension, PyO3, initialises only once)."""
+    selected = {item.name for item in request.session.items}
+    plans = {"test_their_package_found_first": ([hf_kernels_dir, ROOT], tmp_path_factory.mktemp("outside"), False),
+             "test_ours_found_first": ([ROOT, hf_kernels_dir], ROOT, True)}
+    started = {}
+    for test, (pythonpath, cwd, with_trl) in plans.items():
+        if test in selected:
+            logs = tmp_path_factory.mktemp("order")
+            started[test] = (_start(pythonpath, cwd, model_folder, with_trl, logs), logs)
+    yield started
+    for proc, _ in started.values():  # a test that failed before finishing its own
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _check_all_work(res: dict, hf_kernels_dir: Path) -> None:
@@ -102,22 +137,22 @@ def _check_all_work(res: dict, hf_kernels_dir: Path) -> None:
     assert res["transformers_sees_hub_kernels"] and res["logits_finite"], res
 
 
-@pytest.mark.slow  # a subprocess imports transformers and loads a model (~6 s)
-def test_their_package_found_first(hf_kernels_dir, model_folder, tmp_path):
+@pytest.mark.slow  # a subprocess imports transformers and loads a model (~6 s, beside the next test's)
+def test_their_package_found_first(hf_kernels_dir, orders):
     """Their package first on the path: how an install into one site-packages
     resolves (a package folder wins over our one-file kernels.py there) and how
     an editable install of ours resolves (its finder comes after the path).
     Our kernels.py never runs, so TRL is imported only in the next test."""
-    res, stderr = _run([hf_kernels_dir, ROOT], tmp_path, model_folder, with_trl=False)
+    res, stderr = _finish(*orders["test_their_package_found_first"])
     _check_all_work(res, hf_kernels_dir)
     assert "rcgrpo_kernels" not in stderr  # our kernels.py never ran: nothing to say
 
 
-@pytest.mark.slow  # a subprocess imports transformers and TRL and loads a model (~15 s)
-def test_ours_found_first(hf_kernels_dir, model_folder):
+@pytest.mark.slow  # a subprocess imports transformers and TRL and loads a model (~15 s, started with the one above)
+def test_ours_found_first(hf_kernels_dir, orders):
     """Ours first (a checkout's root on the path, as when running from it):
     kernels.py hands `kernels` to their package and says so in one line."""
-    res, stderr = _run([ROOT, hf_kernels_dir], ROOT, model_folder, with_trl=True)
+    res, stderr = _finish(*orders["test_ours_found_first"])
     _check_all_work(res, hf_kernels_dir)
     assert res["grpo_trainer"] == "GRPOTrainer"
     said = [line for line in stderr.splitlines() if "rcgrpo_kernels" in line]

@@ -12,14 +12,18 @@ from rcgrpo.data.rctp import save_records
 from tests.distributed.conftest import python, torchrun
 from tests.training.conftest import chat_record
 
-pytestmark = pytest.mark.slow  # torchrun: 2 ranks train the 135M model, then 1 process resumes (~37 s)
+# torchrun: 2 ranks train the tiny model (tests/conftest.py, tiny_folder: the checkpoint's format and
+# resume are the subject, not the model), then 1 process resumes (~52 s on a busy
+# 2-core machine, where each process spends most of it importing)
+pytestmark = pytest.mark.slow
 
 LR = 1e-4
 
 
-def train_args(data, out):
+def train_args(data, model, out):
     # 4 trajectories, 2 per step: 2 steps, a checkpoint after step 1.
-    return ["-m", "rcgrpo.train", "--fused", "--stages", "rctp-data,rctp", "--rctp.data_file", str(data),
+    return ["-m", "rcgrpo.train", "--fused", "--model", str(model), "--stages", "rctp-data,rctp",
+            "--rctp.data_file", str(data),
             "--rctp.batch_size", "2", "--rctp.epochs", "1", "--rctp.lr", str(LR), "--run.checkpoint_every", "1",
             "--run.keep_last", "1", "--out-dir", str(out), "--name", "ws", "--run.report_to", "none",
             # Short records: a small micro-batch keeps the memory plan of 2
@@ -29,7 +33,7 @@ def train_args(data, out):
             "--data.entry_ids", "multi_turn_base_1"]
 
 
-def test_two_rank_checkpoint_resumes_in_one_process(tmp_path, tokenizer):
+def test_two_rank_checkpoint_resumes_in_one_process(tmp_path, tokenizer, tiny_folder):
     from safetensors.torch import load_file
 
     records = [chat_record(tokenizer, f"List the files, request {i}.", "[ls(a=True)]" if i % 2 else "[pwd()]",
@@ -37,7 +41,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(tmp_path, tokenizer):
     data = save_records(records, tmp_path / "tiny.jsonl")
     run_dir = tmp_path / "runs" / "ws"
 
-    two = torchrun(2, train_args(data, tmp_path / "runs"))
+    two = torchrun(2, train_args(data, tiny_folder, tmp_path / "runs"))
     assert two.returncode == 0, two.stderr[-3000:]
     ckpt = run_dir / "checkpoints" / "rctp" / "ckpt-00000001"
     assert (ckpt / "MANIFEST.json").is_file() and (ckpt / "model" / "model.safetensors").is_file()
@@ -49,7 +53,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(tmp_path, tokenizer):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "rctp"] == [1, 2]  # rank 0 alone wrote them
 
-    one = python(train_args(data, tmp_path / "runs") + ["--resume"])
+    one = python(train_args(data, tiny_folder, tmp_path / "runs") + ["--resume"])
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resumed from" in one.stderr and "ckpt-00000001" in one.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
