@@ -30,9 +30,10 @@ def main(rounds: int) -> dict:
     from rcgrpo.config import parse_args
     from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
     from rcgrpo.model.policy import TrainablePolicy
+    from rcgrpo.training.agreement import Agreement
     from rcgrpo.training.context import RunContext
-    from rcgrpo.training.grpo import Agreement, accumulate_gradients, trainer_logprobs
     from rcgrpo.training.losses import RLLossSettings
+    from rcgrpo.training.rl_update import accumulate_gradients, trainer_logprobs
 
     folder = resolve_model_folder(None)
     cfg = parse_args(["--fused", "--run.micro_batch_tokens", "4096", "--run.report_to", "none"],

@@ -124,7 +124,7 @@ def remeasure_part(args, run: Path, stage: str, step: int, conditionings: list[s
     in a fresh engine, with the trainer's probe seed (the step-0 probe of the
     paper's arm, 27/64 and 7/64, re-measured from its start model gave 27/64
     and 7/64)."""
-    from rcgrpo.training.grpo import probe_seed
+    from rcgrpo.training.reward_probe import probe_seed
 
     result = remeasured_probe(args, run, step)
     if not result.exists():

@@ -1,6 +1,6 @@
 """rcgrpo's side of ``benchmarks/test_vs_trl.py``: the trainer's own pieces
 as ``train_rl`` runs them per step (weights into the in-process vLLM engine,
-``run_episodes``, ``rl_step`` with the fused chunked loss), on the work of
+``run_episodes``, ``rl_update`` with the fused chunked loss), on the work of
 ``benchmarks.single_turn``. Micro-batches of one prompt group each: the
 prompt forwarded once, then its G replies.
 
@@ -35,9 +35,9 @@ def main(out_dir: str) -> dict:
     from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
     from rcgrpo.rollout.engine import awake
     from rcgrpo.training.context import RunContext
-    from rcgrpo.training.grpo import UpdateSettings, rl_step, to_trajectories
     from rcgrpo.training.losses import RLLossSettings
     from rcgrpo.training.optimizer import make_optimizer
+    from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     folder = resolve_model_folder(None)
@@ -63,7 +63,8 @@ def main(out_dir: str) -> dict:
         rollouts = [dataclasses.replace(r, reward=r.reward + work.tie_break(reply(r))) for r in rollouts]
         t1 = time.perf_counter()
         policy.train_mode()
-        stats = rl_step(ctx, policy, opt, sched, to_trajectories(rollouts), settings, UpdateSettings(), step)
+        stats = rl_update(ctx, policy, to_trajectories(rollouts), settings, UpdateSettings(), optimizer=opt,
+                          scheduler=sched, step=step)
         t2 = time.perf_counter()
         steps.append({"generation_s": t1 - t0, "update_s": t2 - t1, "total_s": t2 - t0,
                       "reward_mean": sum(r.reward for r in rollouts) / len(rollouts),

@@ -62,6 +62,7 @@ def main(dtype: str, attn: str, cut: int | None, planted: bool) -> dict:
     from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
     from rcgrpo.model.policy import TrainablePolicy
     from rcgrpo.model.prefix_sharing import forwarded_tokens
+    from rcgrpo.training.losses import LOSS_PATHS
     from rcgrpo.training.parity import parity_bound, tree_vs_dense
 
     folder = resolve_model_folder(None)
@@ -74,7 +75,7 @@ def main(dtype: str, attn: str, cut: int | None, planted: bool) -> dict:
         attention.shared_prefix_layout = lambda b, **kw: one_key_short(layout(b, **kw)) if kw.get("share", True) \
             else layout(b, **kw)
     t0 = time.perf_counter()
-    diff = tree_vs_dense(policy.lm, batch, fused=True)
+    diff = tree_vs_dense(policy.lm, batch, LOSS_PATHS["fused"])
     return {"dtype": dtype, "attn": attn, "planted": planted, "max_abs": float(diff.max()),
             "mean_abs": float(diff.mean()), "loss_tokens": diff.numel(), "packed_tokens": batch.num_tokens,
             "tree_tokens": forwarded_tokens(batch, True), "bound": parity_bound(policy.compute_dtype)[0],

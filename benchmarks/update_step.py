@@ -115,12 +115,12 @@ def main(variant: str, batch_name: str = "group") -> dict:
     import rcgrpo_kernels
     from rcgrpo.config import parse_args
     from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.micro_batching import micro_batch_plan
     from rcgrpo.model.policy import TrainablePolicy
-    from rcgrpo.model.prefix_sharing import micro_batch_plan
     from rcgrpo.training.context import RunContext
-    from rcgrpo.training.grpo import accumulate_gradients
     from rcgrpo.training.losses import RLLossSettings
     from rcgrpo.training.optimizer import make_optimizer
+    from rcgrpo.training.rl_update import accumulate_gradients
 
     folder = resolve_model_folder(None)
     cfg = parse_args(VARIANTS[variant] + CHECKPOINTING + ["--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS),

@@ -3,6 +3,10 @@ still imports, for one release, as the very module at its new path (not a
 copy, so a monkeypatch through either name is seen through the other), with
 a DeprecationWarning naming the new path.
 
+A module split into several (SPLIT) imports at its old path as a module of
+its old public names, each the very object at its new home, with the same
+warning; names whose signature changed in the split are not among them.
+
 Installed by ``rcgrpo/__init__.py``; nothing else of rcgrpo imports it.
 """
 from __future__ import annotations
@@ -11,6 +15,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+import types
 import warnings
 
 # old dotted path -> new dotted path. Remove after release 0.2.
@@ -48,15 +53,46 @@ MOVED: dict[str, str] = {
 }
 
 
+# old dotted path of a module split in several -> {its public name: the module that holds it now}.
+# Remove after release 0.2. Not here: rl_step and rl_update (one function now,
+# rcgrpo.training.rl_update.rl_update(ctx, policy, trajectories, settings, update,
+# optimizer=..., scheduler=..., step=..., parity=...)).
+_RL_LOOP, _RL_UPDATE, _STATS = "rcgrpo.training.rl_loop", "rcgrpo.training.rl_update", "rcgrpo.training.rl_statistics"
+SPLIT: dict[str, dict[str, str]] = {
+    "rcgrpo.training.grpo": {
+        "train_rl": _RL_LOOP, "prompt_schedule": _RL_LOOP, "step_share": _RL_LOOP,
+        "UpdateSettings": _RL_UPDATE, "to_trajectories": _RL_UPDATE, "prepare_batch": _RL_UPDATE,
+        "TOKEN_COUNTS": _RL_UPDATE, "trainer_logprobs": _RL_UPDATE, "accumulate_gradients": _RL_UPDATE,
+        "mini_batch_split": _RL_UPDATE,
+        "group_stats": _STATS, "RolloutSummary": _STATS, "gather_summaries": _STATS,
+        "Agreement": "rcgrpo.training.agreement", "tis_weights": "rcgrpo.training.agreement",
+        "informative_groups": "rcgrpo.training.dynamic_sampling", "extra_prompts": "rcgrpo.training.dynamic_sampling",
+        "dynamic_sampling": "rcgrpo.training.dynamic_sampling",
+        "probe_seed": "rcgrpo.training.reward_probe", "RewardProbe": "rcgrpo.training.reward_probe",
+    },
+}
+
+
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``import <old path>`` -> the module at its new path, with one warning."""
+    """``import <old path>`` -> the module at its new path (or, for a split
+    module, a module of its old names), with one warning."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in MOVED:
+        if fullname not in MOVED and fullname not in SPLIT:
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec):
+        if spec.name in SPLIT:
+            homes = SPLIT[spec.name]
+            warnings.warn(f"{spec.name} was split into {', '.join(sorted(set(homes.values())))}; the old path goes "
+                          "in rcgrpo 0.2", DeprecationWarning, stacklevel=2)
+            module = types.ModuleType(spec.name, f"Deprecated: the old names of {spec.name} (rcgrpo/moved.py).")
+            for name, home in homes.items():
+                setattr(module, name, getattr(importlib.import_module(home), name))
+            module.__all__ = sorted(homes)
+            self._own_spec = None
+            return module
         new = MOVED[spec.name]
         warnings.warn(f"{spec.name} moved to {new}; the old path goes in rcgrpo 0.2", DeprecationWarning,
                       stacklevel=2)
@@ -65,8 +101,9 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module):
-        # The import system stamped the old path's spec on the module; give it its own back.
-        module.__spec__ = self._own_spec
+        # The import system stamped the old path's spec on the module; give a moved one its own back.
+        if self._own_spec is not None:
+            module.__spec__ = self._own_spec
 
 
 def install() -> None:

@@ -342,9 +342,10 @@ def qwen_config(kind, dry):
 def train_step_case(rec, kind, device, dry, seqs, seq_len, micro_tokens):
     from transformers import Qwen2ForCausalLM
 
-    from rcgrpo.model.packing import Trajectory, accumulation_weight, pack, pack_micro_batches
+    from rcgrpo.model.micro_batching import micro_batches
+    from rcgrpo.model.packing import Trajectory, accumulation_weight, pack
     from rcgrpo.model.policy import TrainablePolicy
-    from rcgrpo.training.losses import RLLossSettings, rl_loss
+    from rcgrpo.training.losses import LOSS_PATHS, RLLossSettings, rl_loss
 
     cfg = qwen_config(kind, dry)
     torch.manual_seed(0)
@@ -366,14 +367,14 @@ def train_step_case(rec, kind, device, dry, seqs, seq_len, micro_tokens):
     batch = pack(trajs)
     batch = dataclasses.replace(batch, advantages=rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group))
     batch = batch.to(device)
-    micro = pack_micro_batches(batch, micro_tokens)
+    micro = micro_batches(batch, micro_tokens, share_prefixes=False)
     settings = RLLossSettings(beta=0.04)
     out = {}
     for path in ("fused", "reference"):
         def step():
             opt.zero_grad(set_to_none=True)
             for mb in micro:
-                loss, _ = rl_loss(policy.lm, mb, settings, fused=path == "fused")
+                loss, _ = rl_loss(policy.lm, mb, settings, LOSS_PATHS[path])
                 (loss * accumulation_weight(mb, batch, settings.loss_type)).backward()
             opt.step()
         try:

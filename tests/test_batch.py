@@ -10,15 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rcgrpo_kernels
+from rcgrpo.model.micro_batching import balance_micro_batches, micro_batches
 from rcgrpo.model.packing import (
     PackedBatch,
     Trajectory,
     accumulation_weight,
-    balance_micro_batches,
     informative_sequences,
     loss_normaliser,
     pack,
-    pack_micro_batches,
 )
 
 
@@ -133,7 +132,7 @@ def test_select_keeps_each_sequence_intact(trajs, budget):
     full = pack(trajs)
     full = dataclasses.replace(full, advantages=torch.arange(full.num_seqs, dtype=torch.float32))
     seen = []
-    for mb in pack_micro_batches(full, budget):
+    for mb in micro_batches(full, budget, share_prefixes=False):
         assert mb.cu_seqlens.dtype == torch.int32
         for k, s in enumerate(mb.advantages.long().tolist()):
             single = pack([trajs[s]])
@@ -171,7 +170,7 @@ def test_accumulation_weights_reproduce_full_batch_loss(loss_type):
     # Tag each token with its packed index to find its logp after re-packing.
     tagged = dataclasses.replace(full, old_logp=torch.arange(full.num_tokens, dtype=torch.float32))
     total = 0.0
-    for mb in pack_micro_batches(tagged, 25):
+    for mb in micro_batches(tagged, 25, share_prefixes=False):
         lp = torch.stack([full_logp[int(i)] for i in mb.old_logp])
         total += accumulation_weight(mb, full, loss_type) * loss_of(mb, lp)
     assert float(total) == pytest.approx(float(expected), abs=1e-6)

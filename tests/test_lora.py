@@ -25,9 +25,9 @@ from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.run.checkpoint import CheckpointError
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
-from rcgrpo.training.grpo import rl_update
-from rcgrpo.training.losses import RLLossSettings, reference_logprobs, sft_loss, token_logprobs
+from rcgrpo.training.losses import LOSS_PATHS, RLLossSettings, reference_logprobs, sft_loss, token_logprobs
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
+from rcgrpo.training.rl_update import UpdateSettings, rl_update
 from tests.training.conftest import chat_record
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -156,9 +156,9 @@ def test_one_lora_rl_step_moves_only_adapters_and_fused_and_reference_paths_agre
     # differs from the adapted model (so switching them off matters).
     batch = pack(trajectories)
     with torch.no_grad():
-        ref = reference_logprobs(lp, batch, fused=True, temperature=1.0)
-        plain = token_logprobs(TrainablePolicy(policy.model).lm, batch, fused=True)
-        adapted = token_logprobs(lp.lm, batch, fused=True)
+        ref = reference_logprobs(lp, batch, LOSS_PATHS["fused"], temperature=1.0)
+        plain = token_logprobs(TrainablePolicy(policy.model).lm, batch, LOSS_PATHS["fused"])
+        adapted = token_logprobs(lp.lm, batch, LOSS_PATHS["fused"])
     torch.testing.assert_close(ref[batch.loss_mask], plain, atol=1e-5, rtol=1e-5)
     assert (adapted - ref[batch.loss_mask]).abs().max() > 1e-3
 
@@ -168,7 +168,7 @@ def test_one_lora_rl_step_moves_only_adapters_and_fused_and_reference_paths_agre
         ctx = make_ctx(tmp_path / str(fused), tokenizer, policy, *(["--fused"] if fused else []))
         model.zero_grad(set_to_none=True)
         model.train()
-        stats = rl_update(ctx, lp, trajectories, settings, "group")
+        stats = rl_update(ctx, lp, trajectories, settings, UpdateSettings("group"))
         assert model.training, "the reference pass must leave the policy in training mode"
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[fused] = (stats, grads)
@@ -192,8 +192,8 @@ def test_lora_sft_step_moves_only_adapters(policy, tokenizer, trajectories, tmp_
     lp = lora_model(policy)
     batch = pack(trajectories)
     with torch.no_grad():
-        nll_fused, _ = sft_loss(lp.lm, batch, fused=True)
-        nll_plain, _ = sft_loss(lp.lm, batch, fused=False)
+        nll_fused, _ = sft_loss(lp.lm, batch, LOSS_PATHS["fused"])
+        nll_plain, _ = sft_loss(lp.lm, batch, LOSS_PATHS["reference"])
     torch.testing.assert_close(nll_fused, nll_plain, atol=1e-4, rtol=1e-4)
     base_before = {n: p.detach().clone() for n, p in base_params(lp).items()}
     lora_before = {n: p.detach().clone() for n, p in lora_params(lp).items()}
@@ -202,7 +202,7 @@ def test_lora_sft_step_moves_only_adapters(policy, tokenizer, trajectories, tmp_
     moved = [n for n, p in lora_params(lp).items() if not torch.equal(p, lora_before[n])]
     assert len(moved) == len(lora_before)
     with torch.no_grad():
-        assert sft_loss(lp.lm, batch, fused=True)[0] < nll_fused
+        assert sft_loss(lp.lm, batch, LOSS_PATHS["fused"])[0] < nll_fused
 
 
 def test_one_lora_rctp_step_changes_both_reward_token_rows_and_the_export_holds_them(
@@ -236,12 +236,12 @@ def test_adapters_off_restores_adapters_and_mode(policy, trajectories):
     model = lp.model
     batch = pack(trajectories)
     with torch.no_grad():
-        on = token_logprobs(lp.lm, batch, fused=True)
+        on = token_logprobs(lp.lm, batch, LOSS_PATHS["fused"])
         model.train()
         with adapters_off(model):
             assert not model.training
         assert model.training
-        torch.testing.assert_close(token_logprobs(lp.lm, batch, fused=True), on, atol=0, rtol=0)
+        torch.testing.assert_close(token_logprobs(lp.lm, batch, LOSS_PATHS["fused"]), on, atol=0, rtol=0)
 
 
 # ------------------------------------------------------- export and resume
@@ -273,7 +273,7 @@ def test_resume_restores_adapters_optimizer_and_step(policy, tokenizer, trajecto
     lp = lora_model(policy)
     optimizer, scheduler = make_optimizer(lp, 1e-3, 0.0, 4, 0.5)
     lp.train_mode()
-    rl_update(ctx, lp, trajectories, RLLossSettings(beta=0.1), "group")
+    rl_update(ctx, lp, trajectories, RLLossSettings(beta=0.1), UpdateSettings("group"))
     clip_and_step(lp, optimizer, scheduler, 1.0)
     ctx.save("rc-grpo", 1, lp, optimizer, scheduler)
     ckpt = ctx.checkpoint_root("rc-grpo") / "ckpt-00000001" / "model"
@@ -312,7 +312,7 @@ def test_gradient_checkpointing_keeps_adapter_gradients(policy, trajectories):
                     p.fill_(0.01)
         lp = TrainablePolicy(model, lora=True)
         model.train()
-        sft_loss(lp.lm, batch, fused=True)[0].backward()
+        sft_loss(lp.lm, batch, LOSS_PATHS["fused"])[0].backward()
         grads.append({n: p.grad for n, p in lora_params(lp).items()})
     assert unwrap(model).is_gradient_checkpointing
     for name, g in grads[0].items():

@@ -13,7 +13,7 @@ from rcgrpo.model.lora import wrap
 from rcgrpo.model.packing import pack
 from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.engine import SamplingConfig
-from rcgrpo.training.losses import sft_loss
+from rcgrpo.training.losses import LOSS_PATHS, sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 from tests.training.conftest import chat_record
 
@@ -42,7 +42,7 @@ def test_lora_update_reaches_the_engine_as_merged_weights(vllm_engine, policy, t
     batch = pack([r.trajectory() for r in records])
     optimizer, scheduler = make_optimizer(lp, 2e-2, 0.0, 1, 0.0)
     lp.train_mode()
-    sft_loss(lp.lm, batch, fused=True)[0].backward()
+    sft_loss(lp.lm, batch, LOSS_PATHS["fused"])[0].backward()
     clip_and_step(lp, optimizer, scheduler, 1.0)
     lp.eval_mode()
     merged = copy.deepcopy(model).merge_and_unload()  # the HF merged model, for reference

@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 
-from rcgrpo.model.packing import Trajectory, balance_micro_batches, pack
+from rcgrpo.model.micro_batching import balance_micro_batches, micro_batch_plan
+from rcgrpo.model.packing import Trajectory, pack
 from rcgrpo.model.policy import TrainablePolicy
-from rcgrpo.model.prefix_sharing import MIN_SHARED_TOKENS, micro_batch_plan, shared_prefix_layout
+from rcgrpo.model.prefix_sharing import MIN_SHARED_TOKENS, shared_prefix_layout
 
 
 def saved_tokens(layout) -> int:

@@ -1,4 +1,4 @@
-"""Trajectories -> one packed batch, and micro-batches of it.
+"""Trajectories -> one packed batch (its micro-batches: ``rcgrpo.model.micro_batching``).
 
 This module implements the packed-batch layout the kernels take (README.md,
 "The kernels package"): every trajectory of a step is concatenated into one
@@ -49,8 +49,9 @@ This module is data only: the model's forward over a packed batch is
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -61,9 +62,8 @@ __all__ = [
     "Trajectory",
     "PackedBatch",
     "pack",
-    "balance_micro_batches",
-    "pack_micro_batches",
     "accumulation_weight",
+    "informative",
     "informative_sequences",
     "loss_normaliser",
 ]
@@ -300,55 +300,23 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     )
 
 
-def balance_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_bins: int = 1) -> list[list[int]]:
-    """Split sequences into micro-batches of balanced token count.
-
-    Greedy longest-first (LPT): start with ``max(min_bins, ceil(total /
-    micro_batch_tokens))`` bins, put each sequence, longest first, into the
-    currently lightest bin; if it would overflow ``micro_batch_tokens`` there,
-    open a new bin for it. A sequence longer than ``micro_batch_tokens`` gets
-    a bin of its own (it cannot be split: attention needs the whole sequence).
-
-    Returns:
-        Non-empty lists of sequence indices; each list is in ascending index
-        order and every index appears exactly once.
-    """
-    if micro_batch_tokens < 1:
-        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
-    if not lengths:
-        return []
-    total = sum(lengths)
-    k = min(len(lengths), max(min_bins, -(-total // micro_batch_tokens)))
-    loads = [0] * k
-    bins: list[list[int]] = [[] for _ in range(k)]
-    # Longest first: the big items fix the shape, the small ones fill the gaps.
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        b = min(range(len(bins)), key=lambda j: (loads[j], j))
-        if loads[b] > 0 and loads[b] + lengths[i] > micro_batch_tokens:
-            bins.append([])
-            loads.append(0)
-            b = len(bins) - 1
-        bins[b].append(i)
-        loads[b] += lengths[i]
-    return [sorted(b) for b in bins if b]
-
-
-def pack_micro_batches(
-    batch: PackedBatch, micro_batch_tokens: int, min_bins: int = 1
-) -> list[PackedBatch]:
-    """``batch`` split into token-balanced micro-batches (see ``balance_micro_batches``)."""
-    return [batch.select(ix) for ix in balance_micro_batches(batch.seq_lens, micro_batch_tokens, min_bins)]
+def informative(rewards: Iterable[float]) -> bool:
+    """Whether a group (the rollouts of one prompt) is informative: its
+    rewards are not all equal, so its advantages are not all zero (a
+    zero-variance group carries no policy gradient). The one definition:
+    dynamic sampling's kept groups, the loss over informative groups and the
+    share of zero-variance groups in the step's statistics all read it."""
+    return len(set(rewards)) > 1
 
 
 def informative_sequences(batch: PackedBatch) -> torch.Tensor:
-    """[S] bool: the sequence's group has rewards that are not all equal, so
-    its advantages are not all zero (a zero-variance group carries no policy
-    gradient)."""
-    groups, inverse = torch.unique(batch.seq_group.cpu(), return_inverse=True)
-    rewards = batch.rewards.cpu().float()
-    hi = torch.full((groups.numel(),), -float("inf")).scatter_reduce(0, inverse, rewards, "amax")
-    lo = torch.full((groups.numel(),), float("inf")).scatter_reduce(0, inverse, rewards, "amin")
-    return (hi > lo)[inverse]
+    """[S] bool: the sequence's group is ``informative``."""
+    by_group: dict[int, list[float]] = defaultdict(list)
+    groups, rewards = batch.seq_group.tolist(), batch.rewards.tolist()
+    for g, r in zip(groups, rewards):
+        by_group[g].append(r)
+    verdict = {g: informative(rs) for g, rs in by_group.items()}
+    return torch.tensor([verdict[g] for g in groups], dtype=torch.bool)
 
 
 def loss_normaliser(batch: PackedBatch, loss_type: str, informative_only: bool = False) -> int:

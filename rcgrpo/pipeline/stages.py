@@ -29,7 +29,7 @@ from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.metrics import log_line
 from rcgrpo.training.context import RunContext, rollout_settings
 from rcgrpo.training.finetune import finetune
-from rcgrpo.training.grpo import train_rl
+from rcgrpo.training.rl_loop import train_rl
 from rcgrpo.training.steer import probe_pairs
 
 

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from rcgrpo.base import distributed
 from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.data.divergence import Divergence
 from rcgrpo.model.loading import reward_token_ids
+from rcgrpo.model.micro_batching import micro_batches
 from rcgrpo.model.packing import Trajectory, pack
 from rcgrpo.model.policy import TrainablePolicy
-from rcgrpo.model.prefix_sharing import micro_batches
 from rcgrpo.run.metrics import log_line, progress
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
-from rcgrpo.training.losses import sft_loss
+from rcgrpo.training.losses import LossPath, loss_path, sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 from rcgrpo.training.parity import ParityOracle
 from rcgrpo.training.stage_verdict import FINETUNE_FIGURES, StageTally, bar_figures
@@ -32,6 +33,43 @@ def epoch_order(n: int, epochs: int, seed: int) -> list[int]:
         random.Random(seed * 1_000 + epoch).shuffle(idx)
         order.extend(idx)
     return order
+
+
+@dataclass(frozen=True)
+class SFTStepResult:
+    """One step's figures: the mean NLL over every rank's loss tokens, their
+    count, the packed tokens, the gradient norm, and the parity figures."""
+    loss: float
+    loss_tokens: int
+    batch_tokens: int
+    grad_norm: float
+    checked: dict
+
+
+def sft_step(ctx: RunContext, policy: TrainablePolicy, chunk: Sequence[Trajectory], path: LossPath,
+             parity: ParityOracle, step: int, optimizer, scheduler, max_grad_norm: float) -> SFTStepResult:
+    """One optimizer step on `chunk`, the step's trajectories. Under torchrun
+    each rank trains on its slice of them, weighted by the loss-token count
+    over all ranks."""
+    lo, hi = distributed.rank_slice(chunk)
+    full = pack(chunk[lo:hi]).to(ctx.device) if hi > lo else None
+    micros = [] if full is None else micro_batches(full, ctx.cfg.run.micro_batch_tokens, policy.lm.shares_prefixes)
+    counts = distributed.all_reduce_sum(
+        {"loss_tokens": full.num_loss_tokens if full else 0, "tokens": full.num_tokens if full else 0})
+    stats_sum, tokens = 0.0, 0
+    # Before the step's first pass: a refused check leaves the weights as they were.
+    checked = parity.check(step + 1, micros) if parity.due(step + 1) else {}
+    for micro, padding in lockstep(micros, ctx.device):
+        loss, stats = sft_loss(policy.lm, micro, path)
+        weight = 0.0 if padding else stats["loss_tokens"] / max(round(counts["loss_tokens"]), 1)
+        (loss * weight).backward()
+        if not padding:
+            stats_sum += stats["nll"] * stats["loss_tokens"]
+            tokens += stats["loss_tokens"]
+    total = distributed.all_reduce_sum({"nll": stats_sum, "tokens": tokens})
+    stats_sum, tokens = total["nll"], round(total["tokens"])
+    grad_norm = clip_and_step(policy, optimizer, scheduler, max_grad_norm)
+    return SFTStepResult(stats_sum / max(tokens, 1), tokens, round(counts["tokens"]), grad_norm, checked)
 
 
 def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories: Sequence[Trajectory],
@@ -62,7 +100,8 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
     policy.train_mode()
     last = {}
     tally = StageTally(stage, rl=False)
-    parity = ParityOracle(stage, policy, every=ctx.cfg.model.parity_check_every, fused=ctx.cfg.run.fused)
+    path = loss_path(ctx.cfg.run.fused)
+    parity = ParityOracle(stage, policy, every=ctx.cfg.model.parity_check_every, path=path)
     with ctx.metrics(stage, resume_step=start if start else None) as log:
         if probe_every and start == 0:
             log.log(0, **measure_steer())
@@ -70,33 +109,13 @@ def finetune(ctx: RunContext, stage: str, policy: TrainablePolicy, trajectories:
         for step in bar:
             t0 = time.perf_counter()
             chunk = [trajectories[i] for i in order[step * section.batch_size:(step + 1) * section.batch_size]]
-            # Under torchrun each rank trains on its slice of the step's
-            # trajectories, weighted by the loss-token count over all ranks.
-            lo, hi = distributed.rank_slice(chunk)
-            full = pack(chunk[lo:hi]).to(ctx.device) if hi > lo else None
-            micros = [] if full is None else micro_batches(full, ctx.cfg.run.micro_batch_tokens,
-                                                           policy.lm.shares_prefixes)
-            counts = distributed.all_reduce_sum(
-                {"loss_tokens": full.num_loss_tokens if full else 0, "tokens": full.num_tokens if full else 0})
-            stats_sum, tokens = 0.0, 0
-            # Before the step's first pass: a refused check leaves the weights as they were.
-            checked = parity.check(step + 1, micros) if parity.due(step + 1) else {}
-            for micro, padding in lockstep(micros, ctx.device):
-                loss, stats = sft_loss(policy.lm, micro, fused=ctx.cfg.run.fused)
-                weight = 0.0 if padding else stats["loss_tokens"] / max(round(counts["loss_tokens"]), 1)
-                (loss * weight).backward()
-                if not padding:
-                    stats_sum += stats["nll"] * stats["loss_tokens"]
-                    tokens += stats["loss_tokens"]
-            total = distributed.all_reduce_sum({"nll": stats_sum, "tokens": tokens})
-            stats_sum, tokens = total["nll"], round(total["tokens"])
-            grad_norm = clip_and_step(policy, optimizer, scheduler, section.max_grad_norm)
+            done = sft_step(ctx, policy, chunk, path, parity, step, optimizer, scheduler, section.max_grad_norm)
             elapsed = time.perf_counter() - t0
             probe = (measure_steer() if probe_every and ((step + 1) % probe_every == 0 or step + 1 == total_steps)
                      else {})
-            last = log.log(step + 1, loss=stats_sum / max(tokens, 1), grad_norm=grad_norm,
-                           lr=scheduler.get_last_lr()[0], tokens_per_s=round(counts["tokens"]) / elapsed,
-                           update_s=elapsed, loss_tokens=tokens, **checked, **probe)
+            last = log.log(step + 1, loss=done.loss, grad_norm=done.grad_norm,
+                           lr=scheduler.get_last_lr()[0], tokens_per_s=done.batch_tokens / elapsed,
+                           update_s=elapsed, loss_tokens=done.loss_tokens, **done.checked, **probe)
             tally.add(last)
             bar.set_postfix(bar_figures(last, FINETUNE_FIGURES), refresh=False)
             every = ctx.cfg.run.checkpoint_every

@@ -14,7 +14,7 @@ first micro-batch it trains on that shares a prefix and has loss tokens:
     tree_parity_max_abs = max over its loss tokens of |log p_tree - log p_dense|   (nats)
 
 in eval mode (no dropout) without gradient, under the stage's own autocast,
-LM-head path (`run.fused`) and temperature, and refuses to go on above the
+loss path (`run.fused`) and temperature, and refuses to go on above the
 compute dtype's bound (`PARITY_BOUNDS`; `TreeParityError`, one line). The
 check comes before the step's first training pass, so a refused step applies
 nothing; checkpoints and metrics of earlier steps are kept.
@@ -58,7 +58,7 @@ from rcgrpo.model.policy import PackedLM, TrainablePolicy
 from rcgrpo.model.prefix_sharing import forwarded_tokens
 from rcgrpo.run.metrics import log_line
 from rcgrpo.training.lockstep import padding_batch
-from rcgrpo.training.losses import token_logprobs
+from rcgrpo.training.losses import LossPath, token_logprobs
 
 __all__ = ["PARITY_BOUNDS", "PARITY_METRICS", "TreeParityError", "parity_bound", "shares_a_prefix",
            "tree_vs_dense", "ParityOracle"]
@@ -118,12 +118,12 @@ def _dense(lm: PackedLM) -> PackedLM:
 
 
 @torch.no_grad()
-def tree_vs_dense(lm: PackedLM, batch: PackedBatch, fused: bool, temperature: float = 1.0) -> torch.Tensor:
+def tree_vs_dense(lm: PackedLM, batch: PackedBatch, path: LossPath, temperature: float = 1.0) -> torch.Tensor:
     """|log p_tree - log p_dense| (float64) at `batch`'s loss tokens, in
     order. Call it with dropout off; `lm` forwards with sharing (its
     `shares_prefixes`), the other pass without."""
-    tree = token_logprobs(lm, batch, fused, temperature).double()
-    dense = token_logprobs(_dense(lm), batch, fused, temperature).double()
+    tree = token_logprobs(lm, batch, path, temperature).double()
+    dense = token_logprobs(_dense(lm), batch, path, temperature).double()
     return (tree - dense).abs()
 
 
@@ -145,9 +145,10 @@ class ParityOracle:
     stage's start; before a step's first training pass, `due(step)` says
     whether that step is checked and `check(step, micros)` checks it."""
 
-    def __init__(self, stage: str, policy: TrainablePolicy, *, every: int, fused: bool, temperature: float = 1.0):
+    def __init__(self, stage: str, policy: TrainablePolicy, *, every: int, path: LossPath,
+                 temperature: float = 1.0):
         self.stage, self.policy, self.every = stage, policy, every
-        self.fused, self.temperature = fused, temperature
+        self.path, self.temperature = path, temperature
         self.bound, self.precision = parity_bound(policy.compute_dtype, policy.device.type)
         self.checked = False
         self._said_unshared = False
@@ -175,7 +176,7 @@ class ParityOracle:
         batch = mine if mine is not None else padding_batch(self.policy.device)  # FSDP: the same passes
         t0 = time.perf_counter()
         with _no_dropout(self.policy.model):
-            diff = tree_vs_dense(self.policy.lm, batch, self.fused, self.temperature)
+            diff = tree_vs_dense(self.policy.lm, batch, self.path, self.temperature)
         seconds = time.perf_counter() - t0
         if mine is None:
             diff = diff[:0]  # the padding batch's passes pair with the others'; its token is no figure

@@ -26,9 +26,9 @@ from typing import Sequence
 import torch
 
 from rcgrpo.data.divergence import Divergence
+from rcgrpo.model.micro_batching import micro_batch_plan
 from rcgrpo.model.packing import Trajectory, pack
 from rcgrpo.model.policy import PackedLM
-from rcgrpo.model.prefix_sharing import micro_batch_plan
 
 __all__ = ["STEER_METRICS", "probe_pairs", "steer"]
 

@@ -59,9 +59,9 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
     from rcgrpo.model.packing import Trajectory
     from rcgrpo.model.policy import TrainablePolicy
     from rcgrpo.training.context import RunContext
-    from rcgrpo.training.grpo import rl_update
     from rcgrpo.training.losses import RLLossSettings
     from rcgrpo.training.optimizer import clip_and_step, make_optimizer
+    from rcgrpo.training.rl_update import UpdateSettings, rl_update
 
     with distributed.guarded():
         distributed.init("cpu", timeout_s=120)
@@ -86,7 +86,7 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
         policy.train_mode()
         distributed.barrier()
         t0 = time.perf_counter()  # the trainer's update phase: loss, backward, step, weight stream
-        stats = rl_update(ctx, policy, mine, RLLossSettings(beta=0.1), "group")
+        stats = rl_update(ctx, policy, mine, RLLossSettings(beta=0.1), UpdateSettings("group"))
         stats["grad_norm"] = clip_and_step(policy, optimizer, scheduler, 1.0)
         weights = {name: t.clone() for name, t in policy.rollout_weights()}
         stats["weight_dtypes"] = sorted({str(t.dtype) for t in weights.values()})

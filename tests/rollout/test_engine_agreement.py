@@ -6,8 +6,9 @@ import torch
 from rcgrpo.model.packing import pack
 from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
-from rcgrpo.training.grpo import Agreement, to_trajectories
-from rcgrpo.training.losses import current_logprobs
+from rcgrpo.training.agreement import Agreement
+from rcgrpo.training.losses import LOSS_PATHS, current_logprobs
+from rcgrpo.training.rl_update import to_trajectories
 
 # Measured on the 2-core CPU machine (2026-12-01): this test's 4 rollouts
 # (631 sampled tokens of a short base entry) gave a mean |logp_engine -
@@ -43,11 +44,11 @@ def test_vllm_and_trainer_logprobs_agree_in_fp32(policy, vllm_engine, tokenizer,
     agreement = Agreement()
     with torch.no_grad():
         hidden = trainer.lm.hidden_states(batch)
-        logp = current_logprobs(trainer.lm, batch, True, 1.0, hidden)
+        logp = current_logprobs(trainer.lm, batch, LOSS_PATHS["fused"], 1.0, hidden)
         agreement.add(batch, logp)
         stats = agreement.summary(tis=False)
         # The check can fail: the same tokens scored at another temperature disagree.
-        hot = current_logprobs(trainer.lm, batch, True, 0.7, hidden)
+        hot = current_logprobs(trainer.lm, batch, LOSS_PATHS["fused"], 0.7, hidden)
     print(f"\nengine vs trainer over {batch.num_loss_tokens} sampled tokens: {stats}")
     assert batch.num_loss_tokens >= 32
     assert stats["logp_diff_abs_mean"] < MEAN_ABS_BOUND

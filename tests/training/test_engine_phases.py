@@ -14,7 +14,7 @@ from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.rollout.engine import EngineFault, Generation, awake, check_generations
 from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.context import RunContext
-from rcgrpo.training.grpo import train_rl
+from rcgrpo.training.rl_loop import train_rl
 
 
 class SpyEngine:

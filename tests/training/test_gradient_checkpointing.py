@@ -7,7 +7,7 @@ from rcgrpo.conditioning.reward_tokens import HIGH_REWARD
 from rcgrpo.config import parse_args
 from rcgrpo.model.packing import pack
 from rcgrpo.model.policy import TrainablePolicy
-from rcgrpo.training.losses import sft_loss
+from rcgrpo.training.losses import LOSS_PATHS, sft_loss
 from tests.training.conftest import chat_record
 
 
@@ -20,7 +20,7 @@ def test_full_weight_training_honours_gradient_checkpointing(policy, tokenizer, 
         model = trained.model
         assert model.is_gradient_checkpointing == (flag == "true")
         trained.train_mode()
-        sft_loss(trained.lm, batch, fused=True)[0].backward()
+        sft_loss(trained.lm, batch, LOSS_PATHS["fused"])[0].backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 100
     for name, g in grads[0].items():

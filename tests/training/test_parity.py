@@ -18,6 +18,7 @@ from rcgrpo.model.policy import PackedLM, TrainablePolicy
 from rcgrpo.run.checkpoint import load_latest
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
+from rcgrpo.training.losses import LOSS_PATHS
 from rcgrpo.training.parity import PARITY_METRICS, TreeParityError, parity_bound, shares_a_prefix, tree_vs_dense
 
 PROMPT_TAIL = 256  # prompt tokens kept (the tag is at its end): eager's dense [N, N] mask stays small
@@ -56,7 +57,7 @@ def test_the_tree_forward_equals_the_dense_one_within_the_bound(tiny_folder, gro
     policy.eval_mode()
     batch = pack(group)
     assert shares_a_prefix(batch) and policy.lm.shares_prefixes
-    diff = tree_vs_dense(policy.lm, batch, fused=True)
+    diff = tree_vs_dense(policy.lm, batch, LOSS_PATHS["fused"])
     assert diff.numel() == batch.num_loss_tokens > 0
     bound, precision = parity_bound(policy.compute_dtype)
     assert precision == dtype and float(diff.max()) <= bound, float(diff.max())

@@ -18,7 +18,7 @@ from rcgrpo.conditioning.reward_tokens import HIGH_REWARD
 from rcgrpo.config import parse_args
 from rcgrpo.model.packing import pack
 from rcgrpo.model.policy import PackedLM, TrainablePolicy
-from rcgrpo.training.losses import sft_loss
+from rcgrpo.training.losses import LOSS_PATHS, sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
 from tests.training.conftest import chat_record
 
@@ -62,7 +62,7 @@ def train_policy(model_dir, batch, dtype: str) -> tuple[float, TrainablePolicy, 
     optimizer, scheduler = make_optimizer(policy, LR, 0.0, STEPS, 0.0)
     policy.train_mode()
     for _ in range(STEPS):
-        sft_loss(policy.lm, batch, fused=True)[0].backward()
+        sft_loss(policy.lm, batch, LOSS_PATHS["fused"])[0].backward()
         clip_and_step(policy, optimizer, scheduler, 0.0)
     return update_norm(start, policy.model), policy, optimizer
 
@@ -78,7 +78,7 @@ def train_pure_bf16(model_dir, batch) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     model.train()
     for _ in range(STEPS):
-        sft_loss(lm, batch, fused=True)[0].backward()
+        sft_loss(lm, batch, LOSS_PATHS["fused"])[0].backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return update_norm(start, model)
@@ -114,7 +114,7 @@ def test_bf16_compute_runs_the_decoder_and_head_in_bf16_from_fp32_masters(model_
         assert ref.lm_head_weight().dtype == torch.float32
         assert ref.hidden_states(batch).dtype == torch.bfloat16
     policy.train_mode()
-    sft_loss(policy.lm, batch, fused=True)[0].backward()
+    sft_loss(policy.lm, batch, LOSS_PATHS["fused"])[0].backward()
     grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
     assert len(grads) >= 10 and all(g.dtype == torch.float32 for g in grads)
 
@@ -128,25 +128,26 @@ def test_under_bf16_autocast_the_reference_computes_exactly_like_the_policy_at_s
     from transformers import AutoModelForCausalLM
 
     from rcgrpo.training.context import RunContext
-    from rcgrpo.training.grpo import UpdateSettings, rl_step
     from rcgrpo.training.losses import RLLossSettings, reference_logprobs, token_logprobs
+    from rcgrpo.training.rl_update import UpdateSettings, rl_update
 
     cfg = parse_args(["--model.dtype", "bfloat16", "--fused", "--out-dir", str(tmp_path), "--run.report_to",
                       "none"], check_files=False)
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     batch = pack(trajectories)
     with torch.no_grad():
-        own = token_logprobs(policy.lm, batch, fused=True).float()
-    ref = reference_logprobs(policy, batch, fused=True, temperature=1.0)[batch.loss_mask]
+        own = token_logprobs(policy.lm, batch, LOSS_PATHS["fused"]).float()
+    ref = reference_logprobs(policy, batch, LOSS_PATHS["fused"], temperature=1.0)[batch.loss_mask]
     assert torch.equal(own, ref)
     all_bf16 = AutoModelForCausalLM.from_pretrained(str(tiny_folder), dtype=torch.bfloat16)
     lm = PackedLM(all_bf16.model, all_bf16.config, lambda: all_bf16.lm_head.weight, torch.bfloat16, "cpu")
     with torch.no_grad():
-        assert not torch.equal(token_logprobs(lm, batch, fused=True).float(), ref)
+        assert not torch.equal(token_logprobs(lm, batch, LOSS_PATHS["fused"]).float(), ref)
     # Step 1 of an RL stage (rewards 1 and 0: a non-zero advantage) reports KL exactly 0.
     ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 1, 0.0)
-    stats = rl_step(ctx, policy, optimizer, scheduler, trajectories, RLLossSettings(beta=0.1), UpdateSettings())
+    stats = rl_update(ctx, policy, trajectories, RLLossSettings(beta=0.1), UpdateSettings(), optimizer=optimizer,
+                      scheduler=scheduler)
     assert stats["updates"] == 1 and stats["kl"] == 0.0
 
 

@@ -17,17 +17,11 @@ from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import Generation
 from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.context import RunContext
-from rcgrpo.training.grpo import (
-    UpdateSettings,
-    dynamic_sampling,
-    prompt_schedule,
-    rl_step,
-    rl_update,
-    to_trajectories,
-    train_rl,
-)
+from rcgrpo.training.dynamic_sampling import dynamic_sampling
 from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
+from rcgrpo.training.rl_loop import prompt_schedule, train_rl
+from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories
 
 FAIL_REPLY = "I cannot help with that."
 
@@ -249,8 +243,9 @@ def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_f
         policy = _fresh(tiny_folder)
         opt, sched = make_optimizer(policy, 3e-2, 0.0, 4, 0.0)
         policy.train_mode()
-        results[mu] = (rl_step(ctx, policy, opt, sched, trajectories, settings,
-                               UpdateSettings(updates_per_batch=mu, max_grad_norm=0.0)), policy, sched)
+        results[mu] = (rl_update(ctx, policy, trajectories, settings,
+                                 UpdateSettings(updates_per_batch=mu, max_grad_norm=0.0),
+                                 optimizer=opt, scheduler=sched), policy, sched)
     two, _, sched2 = results[2]
     assert two["updates"] == 2 and sched2.last_epoch == 2
     # Pass 1 scores the weights the old log-probs came from: every ratio is 1.
@@ -262,7 +257,7 @@ def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_f
     _, after_one, _ = results[1]
     batch = pack(trajectories)
     import rcgrpo_kernels
-    from rcgrpo.training.grpo import trainer_logprobs
+    from rcgrpo.training.rl_update import trainer_logprobs
     adv = rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group)
     old = trainer_logprobs(ctx, _fresh(tiny_folder), batch, 1.0)
     new = trainer_logprobs(ctx, after_one, batch, 1.0)
@@ -294,11 +289,13 @@ def test_the_first_update_reads_the_reference_off_the_policys_own_pass(tmp_path,
         policy.reference = lambda forward=forward, calls=calls: (calls.append(1), forward())[1]
         opt, sched = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
         policy.train_mode()
-        stats[own] = rl_step(ctx, policy, opt, sched, trajectories, RLLossSettings(beta=0.1), UpdateSettings())
+        stats[own] = rl_update(ctx, policy, trajectories, RLLossSettings(beta=0.1), UpdateSettings(), optimizer=opt,
+                               scheduler=sched)
         passes[own] = len(calls)
         after[own] = [p.detach().clone() for p in policy.trainable_parameters()]
         if own:
-            second = rl_step(ctx, policy, opt, sched, trajectories, RLLossSettings(beta=0.1), UpdateSettings(), 1)
+            second = rl_update(ctx, policy, trajectories, RLLossSettings(beta=0.1), UpdateSettings(), optimizer=opt,
+                               scheduler=sched, step=1)
             assert len(calls) > 0 and second["kl"] > 0
     assert passes[True] == 0 and passes[False] > 0
     assert stats[True]["kl"] == stats[False]["kl"] == 0.0
@@ -311,8 +308,8 @@ def test_mini_batches_take_one_step_each(tmp_path, tokenizer, tiny_folder, sampl
     policy = _fresh(tiny_folder)
     opt, sched = make_optimizer(policy, 1e-3, 0.0, 4, 0.0)
     policy.train_mode()
-    out = rl_step(ctx, policy, opt, sched, to_trajectories(sampled), RLLossSettings(beta=0.0),
-                  UpdateSettings(updates_per_batch=2, mini_batches=2))
+    out = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0),
+                    UpdateSettings(updates_per_batch=2, mini_batches=2), optimizer=opt, scheduler=sched)
     assert out["updates"] == 4 and sched.last_epoch == 4
     assert out["loss_tokens"] == sum(sum(r.sampled_mask) for r in sampled)
 
@@ -337,7 +334,7 @@ def test_shared_prefixes_give_the_update_of_whole_sequences(tmp_path, tokenizer,
         policy = TrainablePolicy.load(tiny_folder, model_cfg, torch.device("cpu"), reference=False)
         assert policy.lm.shares_prefixes is share
         policy.train_mode()
-        out[share] = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0), "group")
+        out[share] = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0), UpdateSettings("group"))
         grads[share] = _grads(policy)
     assert out[True]["loss_tokens"] == out[False]["loss_tokens"]
     assert out[False]["forward_tokens"] == out[False]["batch_tokens"]
@@ -353,7 +350,7 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
     log-probs 1 nat below the trainer's on every other token: those weights are
     capped at 2, the rest are 1, and the gradient changes."""
     from rcgrpo.model.packing import pack
-    from rcgrpo.training.grpo import trainer_logprobs
+    from rcgrpo.training.rl_update import trainer_logprobs
 
     ctx = _ctx(tmp_path, tokenizer, tiny_folder)
     settings = RLLossSettings(beta=0.0)
@@ -373,7 +370,7 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
     def grad_of(trajs, cap):
         for p in policy.trainable_parameters():
             p.grad = None
-        stats = rl_update(ctx, policy, trajs, settings, "group", tis_cap=cap)
+        stats = rl_update(ctx, policy, trajs, settings, UpdateSettings("group", tis_cap=cap))
         return _grads(policy).clone(), stats
 
     plain, _ = grad_of(own_trajs, None)
@@ -447,7 +444,7 @@ def test_a_sum_loss_over_micro_batches_is_the_whole_batchs(tmp_path, tokenizer, 
         policy = _fresh(tiny_folder)
         policy.train_mode()
         out[tokens] = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0, loss_type="token-sum"),
-                                "rloo")
+                                UpdateSettings("rloo"))
         grads[tokens] = _grads(policy)
     assert out[4500]["loss"] == pytest.approx(out[32768]["loss"], rel=1e-5)
     assert (grads[4500] - grads[32768]).norm() <= 1e-4 * grads[32768].norm()

@@ -18,9 +18,9 @@ from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import SamplingConfig
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
-from rcgrpo.training.grpo import rl_update, to_trajectories
-from rcgrpo.training.losses import RLLossSettings, reference_logprobs, rl_loss, sft_loss
+from rcgrpo.training.losses import LOSS_PATHS, RLLossSettings, reference_logprobs, rl_loss, sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
+from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories
 from tests.training.conftest import chat_record
 
 ROLLOUT = RolloutConfig(max_new_tokens=16, max_total_tokens=6144, doc_style="compact_no_response",
@@ -81,15 +81,15 @@ def test_fused_and_reference_losses_agree_on_a_real_batch(policy, real_group):
     batch = dataclasses.replace(batch, advantages=rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group))
     with torch.no_grad():
         hidden = lm.hidden_states(batch)
-        ref = reference_logprobs(trained, batch, fused=True, temperature=1.0, hidden=hidden)
-        ref_slow = reference_logprobs(trained, batch, fused=False, temperature=1.0, hidden=hidden)
+        ref = reference_logprobs(trained, batch, LOSS_PATHS["fused"], temperature=1.0, hidden=hidden)
+        ref_slow = reference_logprobs(trained, batch, LOSS_PATHS["reference"], temperature=1.0, hidden=hidden)
         torch.testing.assert_close(ref, ref_slow, atol=2e-4, rtol=1e-4)
         batch = dataclasses.replace(batch, ref_logp=ref - 0.01 * batch.loss_mask)  # non-zero KL
         settings = RLLossSettings(beta=0.1)
-        fused, fs = rl_loss(lm, batch, settings, fused=True, hidden=hidden)
-        plain, ps = rl_loss(lm, batch, settings, fused=False, hidden=hidden)
-        nll_f, _ = sft_loss(lm, batch, fused=True, hidden=hidden)
-        nll_p, _ = sft_loss(lm, batch, fused=False, hidden=hidden)
+        fused, fs = rl_loss(lm, batch, settings, LOSS_PATHS["fused"], hidden=hidden)
+        plain, ps = rl_loss(lm, batch, settings, LOSS_PATHS["reference"], hidden=hidden)
+        nll_f, _ = sft_loss(lm, batch, LOSS_PATHS["fused"], hidden=hidden)
+        nll_p, _ = sft_loss(lm, batch, LOSS_PATHS["reference"], hidden=hidden)
     assert batch.num_loss_tokens > 0 and float(batch.advantages.abs().sum()) > 0
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fs["kl"], ps["kl"], atol=1e-5, rtol=1e-4)
@@ -127,7 +127,7 @@ def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
         optimizer, scheduler = make_optimizer(trained, 1e-4, 0.0, 1, 0.0)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         trained.train_mode()
-        stats = rl_update(ctx, trained, to_trajectories(real_group), RLLossSettings(beta=0.0), "group")
+        stats = rl_update(ctx, trained, to_trajectories(real_group), RLLossSettings(beta=0.0), UpdateSettings("group"))
         grad_norm = clip_and_step(trained, optimizer, scheduler, 1.0)
         trained.eval_mode()
         assert grad_norm > 0 and stats["adv_abs_mean"] > 0 and stats["loss_tokens"] > 0

@@ -38,9 +38,9 @@ from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
-from rcgrpo.training.grpo import UpdateSettings, rl_step, to_trajectories, trainer_logprobs
 from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
+from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories, trainer_logprobs
 
 ENTRY_IDS = ("multi_turn_base_100", "multi_turn_base_105")  # short TradingBot entries, one system prompt
 ROLLOUT = RolloutConfig(max_new_tokens=24, max_total_tokens=4096, doc_style="compact_no_response", progress=False,
@@ -160,7 +160,7 @@ def test_an_rl_update_moves_each_rollout_with_its_advantage(tmp_path, tokenizer,
         settings = RLLossSettings(beta=0.1, loss_type="seq-mean-token-sum", kl_estimator="k3+", clip_ratio_c=3.0,
                                   log_ratio_clamp=20.0, kl_clamp=10.0)
         update = UpdateSettings(advantage_estimator="rloo")
-    stats = rl_step(ctx, policy, optimizer, scheduler, trajectories, settings, update)
+    stats = rl_update(ctx, policy, trajectories, settings, update, optimizer=optimizer, scheduler=scheduler)
     assert stats["updates"] == epochs and stats["update_skipped"] == 0
     moved = per_sequence(logps(ctx, policy, batch) - before, batch)
     lengths = rcgrpo_kernels.packing.loss_token_counts(batch.loss_mask, batch.cu_seqlens).double()
@@ -228,8 +228,8 @@ def test_a_zero_variance_step_of_the_reference_policy_makes_no_pass(tmp_path, to
     passes = []
     hook = policy.model.register_forward_hook(lambda *_: passes.append(1))
     try:
-        stats = rl_step(ctx, policy, optimizer, scheduler, _zero_variance(groups), RLLossSettings(beta=beta),
-                        UpdateSettings())
+        stats = rl_update(ctx, policy, _zero_variance(groups), RLLossSettings(beta=beta), UpdateSettings(),
+                          optimizer=optimizer, scheduler=scheduler)
     finally:
         hook.remove()
     assert stats["update_skipped"] == 1 and stats["updates"] == 0 and "loss" not in stats
@@ -242,10 +242,11 @@ def test_after_an_update_a_zero_variance_step_keeps_its_kl_gradient(tmp_path, to
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
     settings = RLLossSettings(beta=0.1)
-    first = rl_step(ctx, policy, optimizer, scheduler, groups[0], settings, UpdateSettings())
+    first = rl_update(ctx, policy, groups[0], settings, UpdateSettings(), optimizer=optimizer, scheduler=scheduler)
     assert first["updates"] == 1 and first.get("kl", 0.0) == pytest.approx(0.0, abs=1e-7)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-    second = rl_step(ctx, policy, optimizer, scheduler, _zero_variance(groups), settings, UpdateSettings())
+    second = rl_update(ctx, policy, _zero_variance(groups), settings, UpdateSettings(), optimizer=optimizer,
+                       scheduler=scheduler)
     assert second["update_skipped"] == 0 and second["updates"] == 1 and second["kl"] > 0
     assert second["grad_norm"] > 0 and second["adv_abs_mean"] == 0.0
     assert any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
@@ -306,6 +307,6 @@ def test_ppo_epochs_under_lora_dropout_start_at_ratio_one(tmp_path, tokenizer, t
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     random_adapters(policy, scale=0.5)  # adapters that matter, so that dropout on them would show
     optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
-    stats = rl_step(ctx, policy, optimizer, scheduler, trajectories, RLLossSettings(beta=0.0),
-                    UpdateSettings(updates_per_batch=2))
+    stats = rl_update(ctx, policy, trajectories, RLLossSettings(beta=0.0), UpdateSettings(updates_per_batch=2),
+                      optimizer=optimizer, scheduler=scheduler)
     assert stats["updates"] == 2 and stats["clip_frac_pass1"] == 0.0
