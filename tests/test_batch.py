@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rcgrpo_kernels
-from rcgrpo.model.micro_batching import balance_micro_batches, micro_batches
+from rcgrpo.model.micro_batching import balance_micro_batches, micro_batch_plan, micro_batches
 from rcgrpo.model.packing import (
     PackedBatch,
     Trajectory,
@@ -124,6 +124,17 @@ def test_micro_batches_are_balanced():
     bins = balance_micro_batches(lengths, 300)
     loads = sorted(sum(lengths[i] for i in b) for b in bins)
     assert len(bins) == 2 and loads[1] - loads[0] <= 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(trajectories(max_seqs=8), st.integers(1, 30), st.booleans())
+def test_loss_only_leaves_out_exactly_the_micro_batches_without_a_loss_token(trajs, budget, share):
+    full = pack(trajs)
+    plan = micro_batch_plan(full, budget, share)
+    kept = micro_batch_plan(full, budget, share, loss_only=True)
+    assert kept == [ix for ix in plan if full.select(ix).num_loss_tokens]
+    assert [m.num_loss_tokens for m in micro_batches(full, budget, share, loss_only=True)] == \
+        [full.select(ix).num_loss_tokens for ix in kept]
 
 
 @settings(max_examples=40, deadline=None)

@@ -26,6 +26,9 @@ its row in the forwarded tokens, so the hidden states come back in the
 batch's own layout (``rcgrpo.model.attention.decoder_hidden_states``), and the
 losses, log-probs and their per-sequence normalisers see the batch as packed.
 
+Micro-batches are planned on the tokens this layout forwards
+(``rcgrpo.model.micro_batching.shared_plan``).
+
 Attention over the tree is ``rcgrpo.model.tree_attention``: each node's queries over
 a gather of the rows its path may see, one varlen call (flash-attn on CUDA,
 one SDPA call per node elsewhere); ``eager`` takes the layout's [M, M] mask.
