@@ -9,10 +9,9 @@ from rcgrpo.base import distributed
 from rcgrpo.conditioning.reward_tokens import stage_saw_reward_tokens
 from rcgrpo.evaluation.sampled_reward import reward_metrics, sampled_reward
 from rcgrpo.model.policy import TrainablePolicy
-from rcgrpo.rollout.agent_loop import RolloutConfig
 from rcgrpo.rollout.engine import play_awake
 from rcgrpo.run.metrics import log_line
-from rcgrpo.training.context import RunContext
+from rcgrpo.training.context import RunContext, rollout_settings
 
 
 def probe_seed(data_seed: int) -> int:
@@ -38,10 +37,7 @@ class RewardProbe:
         n = min(len(entries), g.eval_rollouts)
         self.entries = [entries[i] for i in sorted(random.Random(ctx.cfg.data.seed).sample(range(len(entries)), n))]
         self.conditionings = ("high", "low") if stage_saw_reward_tokens(stage, finetune_stage) else ("none",)
-        self.config = RolloutConfig(max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
-                                    temperature=g.temperature, top_p=g.top_p,
-                                    seed=probe_seed(ctx.cfg.data.seed),
-                                    doc_style=ctx.cfg.data.doc_style, progress=False)
+        self.config = rollout_settings(ctx.cfg, stage, seed=probe_seed(ctx.cfg.data.seed))
 
     def measure(self, step: int) -> dict[str, float]:
         """Every rank plays the same sample (its engine takes the weights: a

@@ -20,10 +20,10 @@ from typing import Sequence
 from rcgrpo.base import distributed
 from rcgrpo.conditioning.reward_tokens import Conditioning, rl_rollout_conditioning
 from rcgrpo.model.policy import TrainablePolicy
-from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
+from rcgrpo.rollout.agent_loop import run_episodes
 from rcgrpo.rollout.engine import play_awake
 from rcgrpo.run.metrics import log_line, progress
-from rcgrpo.training.context import RunContext
+from rcgrpo.training.context import RunContext, rollout_settings
 from rcgrpo.training.dynamic_sampling import dynamic_sampling
 from rcgrpo.training.losses import RLLossSettings, loss_path
 from rcgrpo.training.optimizer import make_optimizer
@@ -98,14 +98,13 @@ def play_step(run: RLStage, step: int) -> StepRollouts:
     ctx, g = run.ctx, run.ctx.cfg.grpo
     played, offset, (lo, hi) = step_share(run.schedule[step], ctx.cfg.run.engine_tp_size)
     version = run.scheduler.last_epoch
-    rollout_cfg = RolloutConfig(
-        max_new_tokens=g.max_new_tokens, max_total_tokens=g.max_total_tokens,
+    rollout_cfg = rollout_settings(
+        ctx.cfg, run.stage,
         # The loss settings' temperature, so that the engine samples (and reports
         # log-probs) at exactly the temperature the trainer scores the tokens at.
-        temperature=run.settings.temperature, top_p=g.top_p,
+        temperature=run.settings.temperature,
         # Each engine group's share of the step gets its own seeds.
-        seed=ctx.cfg.data.seed * 100_003 + step + 1_000_003 * offset,
-        doc_style=ctx.cfg.data.doc_style, progress=False, policy_version=version,
+        seed=ctx.cfg.data.seed * 100_003 + step + 1_000_003 * offset, policy_version=version,
     )
     extra_generated = []
 
