@@ -10,7 +10,7 @@ bin), or with prefix sharing the tokens the shared layout forwards
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 from rcgrpo.model.packing import PackedBatch
 from rcgrpo.model.prefix_sharing import MIN_SHARED_TOKENS, common_prefix_length
@@ -48,32 +48,9 @@ def micro_batches(batch: PackedBatch, micro_batch_tokens: int, share_prefixes: b
 def shared_plan(batch: PackedBatch, micro_batch_tokens: int, min_bins: int = 1) -> list[list[int]]:
     """The micro-batches of a batch forwarded with shared prefixes
     (``rcgrpo.model.prefix_sharing``): sort, cut the prefix tree into
-    subtrees that fit, pack them.
-
-    1. Sort. Each prompt group's (``seq_group``; an RCTP or steer batch is
-       one group) sequences in trie order (sorted by token ids), the groups
-       in the order of their first sequence. Sorted, sequences that share a
-       prefix are neighbours, the longer the share the nearer: a group's
-       reward-token branches, then the groups (or RCTP records) of one
-       entry, then the entries with the same API docs, then the rest. A run
-       of neighbours is costed as the layout forwards it: the first
-       sequence whole, each next one less the prefix it shares with the one
-       before (none below ``MIN_SHARED_TOKENS``).
-    2. Cut. Starting from the whole order, a run over `micro_batch_tokens`
-       is cut where its neighbours share least (between groups before
-       inside one): into the subtrees of its prefix tree's top node, each cut
-       again until it fits or is one sequence. So a group that fits is never
-       cut, nor are groups that share docs while they fit together.
-    3. Pack. Each subtree, in order, goes into the micro-batch where it adds
-       the fewest tokens within the budget (the latest on a tie), else opens
-       one. It adds its cost less the prefix its first sequence shares with
-       the micro-batch's last, the longest it shares with any of them in
-       this order: a subtree joins its siblings while they have room, then
-       fills other micro-batches' room (sharing the preamble).
-    4. `min_bins`: while there are fewer micro-batches, the costliest one of
-       two or more sequences is cut in two where the prefix shared across
-       the cut is shortest (between groups before inside one; the more even
-       cut on a tie).
+    subtrees that fit, pack them, then cut up to `min_bins` micro-batches
+    (each step's rule on its helper: ``_trie_order``, ``_cut_subtrees``,
+    ``_pack_subtrees``, ``_split_to_min_bins``).
 
     Micro-batches are filled, not balanced: balancing moves groups away
     from the ones they share with, which forwards their docs again.
@@ -82,9 +59,58 @@ def shared_plan(batch: PackedBatch, micro_batch_tokens: int, min_bins: int = 1) 
         raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
     if batch.num_seqs == 0:
         return []
-    cu = batch.cu_seqlens.tolist()
-    ids, pos = batch.input_ids.cpu(), batch.position_ids.cpu()
-    tokens = [ids[cu[s]:cu[s + 1]].tolist() for s in range(batch.num_seqs)]
+    costs = _ForwardCosts(batch)
+    order, group_starts = _trie_order(batch, costs)
+    share, cost = costs.coster(order)
+    subtrees = _cut_subtrees(len(order), group_starts, share, cost, micro_batch_tokens)
+    bins, loads = _pack_subtrees(subtrees, order, cost, costs.shared, micro_batch_tokens)
+    firsts = {order[i] for i in group_starts}
+    _split_to_min_bins(bins, loads, firsts, costs, min_bins)
+    return [sorted(b) for b in bins]
+
+
+class _ForwardCosts:
+    """What the shared layout forwards for runs of a batch's sequences: the
+    prefix two sequences share and the cost of a run of neighbours."""
+
+    def __init__(self, batch: PackedBatch):
+        self.cu = batch.cu_seqlens.tolist()
+        self.ids, self.pos = batch.input_ids.cpu(), batch.position_ids.cpu()
+
+    def tokens(self, s: int) -> list[int]:
+        """Sequence s's token ids."""
+        return self.ids[self.cu[s]:self.cu[s + 1]].tolist()
+
+    def shared(self, a: int, b: int) -> int:
+        """Rows sequence b can read from sequence a (none below ``MIN_SHARED_TOKENS``)."""
+        cu, ids, pos = self.cu, self.ids, self.pos
+        n = min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
+                common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
+        return n if n >= MIN_SHARED_TOKENS else 0
+
+    def coster(self, seqs: list[int]) -> tuple[list[int], Callable[[int, int], int]]:
+        """Shares of neighbours in `seqs` and the cost of any run seqs[lo:hi]:
+        the first sequence whole, each next one less the prefix it shares
+        with the one before."""
+        cu = self.cu
+        share = [0] + [self.shared(a, b) for a, b in zip(seqs, seqs[1:])]
+        below = list(itertools.accumulate((cu[s + 1] - cu[s] - c for s, c in zip(seqs, share)), initial=0))
+        return share, lambda lo, hi: cu[seqs[lo] + 1] - cu[seqs[lo]] + below[hi] - below[lo + 1]
+
+
+def _trie_order(batch: PackedBatch, costs: _ForwardCosts) -> tuple[list[int], set[int]]:
+    """Step 1, sort: the sequences in trie order, and the positions in that
+    order where a prompt group starts.
+
+    Each prompt group's (``seq_group``; an RCTP or steer batch is one group)
+    sequences in trie order (sorted by token ids), the groups in the order of
+    their first sequence. Sorted, sequences that share a prefix are
+    neighbours, the longer the share the nearer: a group's reward-token
+    branches, then the groups (or RCTP records) of one entry, then the
+    entries with the same API docs, then the rest. A run of neighbours is
+    costed as the layout forwards it (``_ForwardCosts.coster``).
+    """
+    tokens = [costs.tokens(s) for s in range(batch.num_seqs)]
     groups: dict[int, list[int]] = {}
     for s, g in enumerate(batch.seq_group.tolist()):
         groups.setdefault(g, []).append(s)
@@ -92,20 +118,20 @@ def shared_plan(batch: PackedBatch, micro_batch_tokens: int, min_bins: int = 1) 
                   key=lambda m: (tokens[m[0]], m[0]))
     order = [s for m in runs for s in m]
     group_starts = set(itertools.accumulate([len(m) for m in runs[:-1]], initial=0))
+    return order, group_starts
 
-    def shared(a: int, b: int) -> int:  # rows sequence b can read from sequence a
-        n = min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
-                common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
-        return n if n >= MIN_SHARED_TOKENS else 0
 
-    def coster(seqs: list[int]):
-        """Shares of neighbours in `seqs` and the cost of any run seqs[lo:hi]."""
-        share = [0] + [shared(a, b) for a, b in zip(seqs, seqs[1:])]
-        below = list(itertools.accumulate((cu[s + 1] - cu[s] - c for s, c in zip(seqs, share)), initial=0))
-        return share, lambda lo, hi: cu[seqs[lo] + 1] - cu[seqs[lo]] + below[hi] - below[lo + 1]
+def _cut_subtrees(n: int, group_starts: set[int], share: list[int], cost: Callable[[int, int], int],
+                  micro_batch_tokens: int) -> list[tuple[int, int]]:
+    """Step 2, cut: the order's runs [lo, hi) that each fit (or are one sequence), in order.
 
-    share, cost = coster(order)
-    subtrees, todo = [], [(0, len(order))]
+    Starting from the whole order, a run over `micro_batch_tokens` is cut
+    where its neighbours share least (between groups before inside one):
+    into the subtrees of its prefix tree's top node, each cut again until it
+    fits or is one sequence. So a group that fits is never cut, nor are
+    groups that share docs while they fit together.
+    """
+    subtrees, todo = [], [(0, n)]
     while todo:
         lo, hi = todo.pop()
         if hi - lo == 1 or cost(lo, hi) <= micro_batch_tokens:
@@ -115,7 +141,20 @@ def shared_plan(batch: PackedBatch, micro_batch_tokens: int, min_bins: int = 1) 
         cuts = [i for i in range(lo + 1, hi) if (i not in group_starts, share[i]) == least]
         bounds = [lo] + cuts + [hi]
         todo.extend(reversed(list(zip(bounds, bounds[1:]))))  # popped in order
+    return subtrees
 
+
+def _pack_subtrees(subtrees: list[tuple[int, int]], order: list[int], cost: Callable[[int, int], int],
+                   shared: Callable[[int, int], int], micro_batch_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Step 3, pack: the micro-batches (sequences in order) and the tokens each forwards.
+
+    Each subtree, in order, goes into the micro-batch where it adds the
+    fewest tokens within the budget (the latest on a tie), else opens one.
+    It adds its cost less the prefix its first sequence shares with the
+    micro-batch's last, the longest it shares with any of them in this
+    order: a subtree joins its siblings while they have room, then fills
+    other micro-batches' room (sharing the preamble).
+    """
     bins: list[list[int]] = []
     loads: list[int] = []
     for lo, hi in subtrees:
@@ -128,20 +167,27 @@ def shared_plan(batch: PackedBatch, micro_batch_tokens: int, min_bins: int = 1) 
         else:
             bins.append(order[lo:hi])
             loads.append(cost(lo, hi))
-    firsts = {order[i] for i in group_starts}
+    return bins, loads
+
+
+def _split_to_min_bins(bins: list[list[int]], loads: list[int], firsts: set[int],
+                       costs: _ForwardCosts, min_bins: int) -> None:
+    """Step 4, `min_bins` (in place): while there are fewer micro-batches,
+    the costliest one of two or more sequences is cut in two where the
+    prefix shared across the cut is shortest (between groups before inside
+    one: `firsts` are the sequences that start a group; the more even cut on
+    a tie)."""
     while len(bins) < min_bins:
         splittable = [k for k in range(len(bins)) if len(bins[k]) > 1]
         if not splittable:
             break
         k = max(splittable, key=lambda k: (loads[k], -k))
         b = bins[k]
-        cut_share, cut_cost = coster(b)
+        cut_share, cut_cost = costs.coster(b)
         cut = min(range(1, len(b)), key=lambda i: (b[i] not in firsts, cut_share[i],
                                                      max(cut_cost(0, i), cut_cost(i, len(b)))))
         bins[k:k + 1] = [b[:cut], b[cut:]]
         loads[k:k + 1] = [cut_cost(0, cut), cut_cost(cut, len(b))]
-    return [sorted(b) for b in bins]
-
 
 
 def balance_micro_batches(lengths: Sequence[int], micro_batch_tokens: int, min_bins: int = 1) -> list[list[int]]:

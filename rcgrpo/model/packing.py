@@ -232,43 +232,81 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     """
     if not trajectories:
         raise ValueError("pack() needs at least one trajectory")
-    ids: list[int] = []
-    pos: list[int] = []
-    sampled: list[bool] = []
-    lens: list[int] = []
-    eng: list[float] = []
-    ref: list[float] = []
-    ver: list[float] = []
+    has_eng, has_ref, has_ver = _engine_values_given(trajectories)
+    cols = _Columns()
+    for i, t in enumerate(trajectories):
+        cols.append(i, t, has_eng, has_ref, has_ver)
+
+    input_ids = torch.tensor(cols.ids, dtype=torch.long)
+    if input_ids.numel() and int(input_ids.min()) < 0:
+        raise ValueError("negative token id in a trajectory")
+    cu = torch.zeros(len(cols.lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(cols.lens, dtype=torch.int32), 0, out=cu[1:])
+    sampled_mask = torch.tensor(cols.sampled, dtype=torch.bool)
+    targets, loss_mask = _next_token_targets(input_ids, sampled_mask, cu)
+
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=torch.tensor(cols.pos, dtype=torch.long),
+        cu_seqlens=cu,
+        loss_mask=loss_mask,
+        targets=targets,
+        sampled_mask=sampled_mask,
+        seq_group=torch.tensor([int(t.group) for t in trajectories], dtype=torch.long),
+        rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
+        engine_logp=_shifted(cols.eng, loss_mask) if has_eng else None,
+        ref_logp=_shifted(cols.ref, loss_mask) if has_ref else None,
+        policy_version=_shifted(cols.ver, loss_mask, torch.long, -1) if has_ver else None,
+    )
+
+
+def _engine_values_given(trajectories: Sequence[Trajectory]) -> tuple[bool, bool, bool]:
+    """Whether every trajectory carries ``logprobs`` / ``ref_logprobs`` /
+    ``versions``; a field some carry and others not is an error."""
     has_eng = [t.logprobs is not None for t in trajectories]
     has_ref = [t.ref_logprobs is not None for t in trajectories]
     has_ver = [t.versions is not None for t in trajectories]
     for name, flags in (("logprobs", has_eng), ("ref_logprobs", has_ref), ("versions", has_ver)):
         if any(flags) and not all(flags):
             raise ValueError(f"{name} given for some trajectories but not all ({sum(flags)}/{len(flags)})")
-    for i, t in enumerate(trajectories):
+    return all(has_eng), all(has_ref), all(has_ver)
+
+
+@dataclass
+class _Columns:
+    """The packed batch's columns as plain lists, one trajectory appended at a time."""
+
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+    eng: list[float] = field(default_factory=list)
+    ref: list[float] = field(default_factory=list)
+    ver: list[float] = field(default_factory=list)
+
+    def append(self, i: int, t: Trajectory, has_eng: bool, has_ref: bool, has_ver: bool) -> None:
+        """Trajectory `i`'s tokens (its engine values where every trajectory has them)."""
         n = len(t.token_ids)
         if n == 0:
             raise ValueError(f"trajectory {i} is empty")
         if len(t.sampled_mask) != n:
             raise ValueError(f"trajectory {i}: sampled_mask has {len(t.sampled_mask)} values for {n} tokens")
-        ids.extend(int(x) for x in t.token_ids)
-        pos.extend(range(n))
-        sampled.extend(bool(m) for m in t.sampled_mask)
-        lens.append(n)
-        if all(has_eng):
-            eng.extend(_per_token(t.logprobs, t.sampled_mask, n, "logprobs", i))
-        if all(has_ref):
-            ref.extend(_per_token(t.ref_logprobs, t.sampled_mask, n, "ref_logprobs", i))
-        if all(has_ver):
-            ver.extend(_per_token(t.versions, t.sampled_mask, n, "versions", i))
+        self.ids.extend(int(x) for x in t.token_ids)
+        self.pos.extend(range(n))
+        self.sampled.extend(bool(m) for m in t.sampled_mask)
+        self.lens.append(n)
+        if has_eng:
+            self.eng.extend(_per_token(t.logprobs, t.sampled_mask, n, "logprobs", i))
+        if has_ref:
+            self.ref.extend(_per_token(t.ref_logprobs, t.sampled_mask, n, "ref_logprobs", i))
+        if has_ver:
+            self.ver.extend(_per_token(t.versions, t.sampled_mask, n, "versions", i))
 
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    if input_ids.numel() and int(input_ids.min()) < 0:
-        raise ValueError("negative token id in a trajectory")
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=cu[1:])
-    sampled_mask = torch.tensor(sampled, dtype=torch.bool)
 
+def _next_token_targets(input_ids: torch.Tensor, sampled_mask: torch.Tensor,
+                        cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, loss_mask) of the module docstring's alignment (what
+    ``rcgrpo_kernels.packing.next_token_targets`` returns: tests/test_batch.py)."""
     # Shift left by one; then clear each sequence's last position, where the
     # shifted value would belong to the next sequence.
     last = cu[1:].long() - 1
@@ -278,26 +316,16 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     loss_mask = torch.zeros_like(sampled_mask)
     loss_mask[:-1] = sampled_mask[1:]
     loss_mask[last] = False
+    return targets, loss_mask
 
-    def shifted(values: list[float], dtype=torch.float32, fill=0) -> torch.Tensor:
-        v = torch.tensor(values, dtype=dtype)
-        out = torch.zeros_like(v)
-        out[:-1] = v[1:]
-        return torch.where(loss_mask, out, torch.full_like(out, fill))
 
-    return PackedBatch(
-        input_ids=input_ids,
-        position_ids=torch.tensor(pos, dtype=torch.long),
-        cu_seqlens=cu,
-        loss_mask=loss_mask,
-        targets=targets,
-        sampled_mask=sampled_mask,
-        seq_group=torch.tensor([int(t.group) for t in trajectories], dtype=torch.long),
-        rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
-        engine_logp=shifted(eng) if all(has_eng) else None,
-        ref_logp=shifted(ref) if all(has_ref) else None,
-        policy_version=shifted(ver, torch.long, -1) if all(has_ver) else None,
-    )
+def _shifted(values: list[float], loss_mask: torch.Tensor, dtype=torch.float32, fill=0) -> torch.Tensor:
+    """Per-token values aligned on the predicting position (shifted left by
+    one), `fill` where ``loss_mask`` is False."""
+    v = torch.tensor(values, dtype=dtype)
+    out = torch.zeros_like(v)
+    out[:-1] = v[1:]
+    return torch.where(loss_mask, out, torch.full_like(out, fill))
 
 
 def informative(rewards: Iterable[float]) -> bool:

@@ -124,72 +124,103 @@ def shared_prefix_layout(batch: PackedBatch, min_shared_tokens: int = MIN_SHARED
     """The prefix tree of the module docstring.
 
     Each sequence, in packed order, continues the earlier sequence it shares
-    the longest prefix with (token ids and position ids both equal: a shared
-    row must be the same token at the same position), when that prefix is at
-    least `min_shared_tokens` long; its tail (a branch) is forwarded and the
-    rest read from the rows that hold that prefix. Otherwise it is forwarded
-    whole (a root). A sequence contained whole in an earlier one forwards
-    nothing. `share=False`: every sequence a root (the packed batch as is,
-    in segments).
+    the longest prefix with (``_longest_shared_prefix``), when that prefix is
+    at least `min_shared_tokens` long; its tail (a branch) is forwarded and
+    the rest read from the rows that hold that prefix. Otherwise it is
+    forwarded whole (a root). A sequence contained whole in an earlier one
+    forwards nothing. `share=False`: every sequence a root (the packed batch
+    as is, in segments).
     """
     cu = batch.cu_seqlens.tolist()
     ids, pos = batch.input_ids.cpu(), batch.position_ids.cpu()
-    expand = torch.empty(batch.num_tokens, dtype=torch.long)
-    keep: list[torch.Tensor] = []
-    segment: list[torch.Tensor] = []
-    seg_start: list[int] = []  # per segment: position of its first token
-    seg_parent: list[int] = []  # per segment: the segment it branches from, -1 for a root
-    visible: list[dict[int, int]] = []  # per segment: {ancestor or itself: limit}
-    seq_path_end: list[int] = []  # per sequence: the deepest segment on its path (-1: none yet)
-    seq_root: list[int] = []
-    seq_forwarded: list[int] = []
-    forwarded = 0
+    tree = _PrefixTree(cu, batch.num_tokens)
     for s in range(batch.num_seqs):
-        lo, hi = cu[s], cu[s + 1]
-        best, shared = -1, 0
-        for r in range(s if share else 0):
-            n = min(common_prefix_length(ids[lo:hi], ids[cu[r]:cu[r + 1]]),
-                    common_prefix_length(pos[lo:hi], pos[cu[r]:cu[r + 1]]))
-            if n > shared:
-                best, shared = r, n
+        best, shared = _longest_shared_prefix(s, cu, ids, pos, s if share else 0)
         if shared < min_shared_tokens:
             best, shared = -1, 0
+        tree.add(s, best, shared)
+    return tree.layout(batch.input_ids.device)
+
+
+def _longest_shared_prefix(s: int, cu: list[int], ids: torch.Tensor, pos: torch.Tensor,
+                           candidates: int) -> tuple[int, int]:
+    """(r, n): the first of sequences 0..candidates-1 with the longest prefix
+    shared with sequence s, and its length; (-1, 0) if none. Token ids and
+    position ids both equal: a shared row must be the same token at the
+    same position."""
+    lo, hi = cu[s], cu[s + 1]
+    best, shared = -1, 0
+    for r in range(candidates):
+        n = min(common_prefix_length(ids[lo:hi], ids[cu[r]:cu[r + 1]]),
+                common_prefix_length(pos[lo:hi], pos[cu[r]:cu[r + 1]]))
+        if n > shared:
+            best, shared = r, n
+    return best, shared
+
+
+class _PrefixTree:
+    """The layout's tree as it is built, one sequence at a time, in packed order."""
+
+    def __init__(self, cu: list[int], num_tokens: int):
+        self.cu = cu
+        self.expand = torch.empty(num_tokens, dtype=torch.long)
+        self.keep: list[torch.Tensor] = []
+        self.segment: list[torch.Tensor] = []
+        self.seg_start: list[int] = []  # per segment: position of its first token
+        self.seg_parent: list[int] = []  # per segment: the segment it branches from, -1 for a root
+        self.visible: list[dict[int, int]] = []  # per segment: {ancestor or itself: limit}
+        self.seq_path_end: list[int] = []  # per sequence: the deepest segment on its path (-1: none yet)
+        self.seq_root: list[int] = []
+        self.seq_forwarded: list[int] = []
+        self.forwarded = 0
+
+    def add(self, s: int, best: int, shared: int) -> None:
+        """Sequence s, continuing sequence `best` for `shared` tokens (-1, 0: a root)."""
+        lo, hi = self.cu[s], self.cu[s + 1]
         parent = -1
         if best >= 0:
-            expand[lo:lo + shared] = expand[cu[best]:cu[best] + shared]
-            parent = seq_path_end[best]
-            while seg_start[parent] > shared - 1:  # walk up to the segment holding position shared - 1
-                parent = seg_parent[parent]
+            self.expand[lo:lo + shared] = self.expand[self.cu[best]:self.cu[best] + shared]
+            parent = self.seq_path_end[best]
+            while self.seg_start[parent] > shared - 1:  # walk up to the segment holding position shared - 1
+                parent = self.seg_parent[parent]
         tail = hi - lo - shared
         if tail:
-            seg = len(seg_start)
-            seg_start.append(shared)
-            seg_parent.append(parent)
-            # Each ancestor is seen up to where this path leaves it; the parent
-            # up to this branch's start.
-            seen = dict(visible[parent]) if parent >= 0 else {}
-            if parent >= 0:
-                seen[parent] = shared
-            seen[seg] = _OWN
-            visible.append(seen)
-            keep.append(torch.arange(lo + shared, hi))
-            segment.append(torch.full((tail,), seg, dtype=torch.long))
-            expand[lo + shared:hi] = torch.arange(forwarded, forwarded + tail)
-            forwarded += tail
-            seq_path_end.append(seg)
+            self.seq_path_end.append(self._add_segment(lo, hi, shared, parent))
         else:
-            seq_path_end.append(parent)
-        seq_root.append(s if best < 0 else seq_root[best])
-        seq_forwarded.append(tail)
-    table = torch.zeros(len(visible), len(visible), dtype=torch.long)
-    for q, seen in enumerate(visible):
-        for a, limit in seen.items():
-            table[q, a] = limit
-    device = batch.input_ids.device
-    return SharedPrefixLayout(
-        keep=torch.cat(keep).to(device), expand=expand.to(device), segment=torch.cat(segment).to(device),
-        visible=table, seq_root=tuple(seq_root), seq_forwarded=tuple(seq_forwarded),
-    )
+            self.seq_path_end.append(parent)
+        self.seq_root.append(s if best < 0 else self.seq_root[best])
+        self.seq_forwarded.append(tail)
+
+    def _add_segment(self, lo: int, hi: int, shared: int, parent: int) -> int:
+        """A segment for packed positions [lo + shared, hi), branching from `parent`; its index."""
+        tail = hi - lo - shared
+        seg = len(self.seg_start)
+        self.seg_start.append(shared)
+        self.seg_parent.append(parent)
+        # Each ancestor is seen up to where this path leaves it; the parent
+        # up to this branch's start.
+        seen = dict(self.visible[parent]) if parent >= 0 else {}
+        if parent >= 0:
+            seen[parent] = shared
+        seen[seg] = _OWN
+        self.visible.append(seen)
+        self.keep.append(torch.arange(lo + shared, hi))
+        self.segment.append(torch.full((tail,), seg, dtype=torch.long))
+        self.expand[lo + shared:hi] = torch.arange(self.forwarded, self.forwarded + tail)
+        self.forwarded += tail
+        return seg
+
+    def layout(self, device: torch.device) -> SharedPrefixLayout:
+        """The finished tree, its tensors on `device` (the visibility table stays on the CPU)."""
+        table = torch.zeros(len(self.visible), len(self.visible), dtype=torch.long)
+        for q, seen in enumerate(self.visible):
+            for a, limit in seen.items():
+                table[q, a] = limit
+        return SharedPrefixLayout(
+            keep=torch.cat(self.keep).to(device), expand=self.expand.to(device),
+            segment=torch.cat(self.segment).to(device), visible=table,
+            seq_root=tuple(self.seq_root), seq_forwarded=tuple(self.seq_forwarded),
+        )
 
 
 def forwarded_tokens(batch: PackedBatch, share_prefixes: bool) -> int:
