@@ -131,9 +131,16 @@ def run_episodes(
         from rcgrpo.envs.bfcl import Episode as episode_factory
     chat = ChatTokens(tokenizer)
     rng = random.Random(cfg.seed)
-    n = len(entries) * group_size
-    tokens = rollout_tokens(reward_tokens, n, rng)
+    tokens = rollout_tokens(reward_tokens, len(entries) * group_size, rng)
+    convs = _start_conversations(entries, group_size, tokens, episode_factory, chat, cfg)
+    _play(engine, convs, cfg)
+    return [c.close() for c in convs]
 
+
+def _start_conversations(entries: Sequence, group_size: int, tokens: Sequence[str | None],
+                         episode_factory: Callable, chat: ChatTokens, cfg: RolloutConfig) -> list[_Conversation]:
+    """One conversation per rollout, entry by entry, each at its prompt
+    (conditioned on `tokens[j]`, rollout j's reward token)."""
     convs: list[_Conversation] = []
     for g, entry in enumerate(entries):
         for k in range(group_size):
@@ -146,29 +153,17 @@ def run_episodes(
             if len(ids) >= cfg.max_total_tokens:
                 ep.finish("prompt_too_long")
             convs.append(conv)
+    return convs
 
-    bar = progress(total=n, desc="rollouts", unit="ep", disable=not cfg.progress, leave=False)
+
+def _play(engine: Engine, convs: list[_Conversation], cfg: RolloutConfig) -> None:
+    """Advance every live conversation by one reply per step, one engine call
+    per step, until all are done."""
+    bar = progress(total=len(convs), desc="rollouts", unit="ep", disable=not cfg.progress, leave=False)
     bar.update(sum(c.done for c in convs))
     step = 0
-    while active := [c for c in convs if not c.done]:
-        for c in active:
-            if c.budget() <= 0:
-                c.ep.finish("max_length")
-        active = [c for c in active if not c.done]
-        if not active:
-            break
-        sampling = [
-            SamplingConfig(
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                max_tokens=c.budget(),
-                # Distinct, reproducible per rollout and step, whatever the batch.
-                seed=(cfg.seed * 1_000_003 + c.index * 10_007 + step) % (2**31),
-            )
-            for c in active
-        ]
-        outputs = engine.generate([c.r.token_ids for c in active], sampling)
+    while active := _ready_to_reply(convs):
+        outputs = engine.generate([c.r.token_ids for c in active], _sampling(active, cfg, step))
         check_generations(engine, outputs)
         for c, gens in zip(active, outputs):
             g = gens[0]
@@ -178,4 +173,26 @@ def run_episodes(
         bar.update(finished)
         bar.set_postfix(step=step, active=len(active) - finished)
     bar.close()
-    return [c.close() for c in convs]
+
+
+def _ready_to_reply(convs: list[_Conversation]) -> list[_Conversation]:
+    """The conversations not done; those without room for a reply are finished first."""
+    active = [c for c in convs if not c.done]
+    for c in active:
+        if c.budget() <= 0:
+            c.ep.finish("max_length")
+    return [c for c in active if not c.done]
+
+
+def _sampling(active: list[_Conversation], cfg: RolloutConfig, step: int) -> list[SamplingConfig]:
+    return [
+        SamplingConfig(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_tokens=c.budget(),
+            # Distinct, reproducible per rollout and step, whatever the batch.
+            seed=(cfg.seed * 1_000_003 + c.index * 10_007 + step) % (2**31),
+        )
+        for c in active
+    ]

@@ -212,57 +212,107 @@ def save_checkpoint(
     ``model_state_dict`` / ``optimizer_state_dict`` are written instead of the
     model's and optimizer's own (an FSDP run passes the gathered full states).
     """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    state = {"format": FORMAT, "step": int(step), "stage": stage, "data_position": data_position,
-             "extra": extra or {}, "time": time.time()}
-    state_text = json.dumps(state, indent=2)  # fails early on non-JSON data
-    config_text = json.dumps(config, indent=2) if config is not None else None
+    _check_save_arguments(step, keep_last)
+    state_text, config_text = _metadata_texts(step, stage, data_position, extra, config)
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"ckpt-{step:08d}"
-    tmp = root / f"ckpt-{step:08d}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by a save that was killed
-    tmp.mkdir()
+    final, tmp, old = _step_folders(root, step)
+    _empty_temp_folder(tmp)
     try:
-        model.save_pretrained(str(tmp / "model"), safe_serialization=True, state_dict=model_state_dict)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp / "model"))
-        if optimizer is not None:
-            state = optimizer.state_dict() if optimizer_state_dict is None else optimizer_state_dict
-            torch.save(state, tmp / "optimizer.pt")
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(_get_rng_states(generators), tmp / "rng.pt")
-        (tmp / "state.json").write_text(state_text)
-        if config_text is not None:
-            (tmp / "run_config.json").write_text(config_text)
-        _write_manifest(tmp, step)
+        _write_training_state(tmp, model, tokenizer, optimizer, scheduler, generators,
+                              model_state_dict, optimizer_state_dict)
+        _write_metadata(tmp, state_text, config_text)
+        _write_manifest(tmp, step)  # last: only a completely written folder has one
         _fsync_tree(tmp)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # earlier checkpoints are untouched
-        reason = write_failure(exc, root)
-        if reason is None:
+        error = _save_error(exc, root, step)
+        if error is None:
             raise
-        raise SaveError(f"checkpoint step {step} could not be written to {root}: {reason}; "
-                        f"{_previous(root)} (free space there, then --resume)") from exc
+        raise error from exc
 
-    old = None
-    if final.exists():  # the same step saved again (e.g. after a resume)
-        old = root / f"ckpt-{step:08d}.old"
+    # The commit, in this order: a kill between any two of these lines leaves
+    # folders that load_latest recovers (the module's docstring says how).
+    resaved = final.exists()  # the same step saved again (e.g. after a resume)
+    if resaved:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(root)
-    if old is not None:
+    if resaved:
         shutil.rmtree(old, ignore_errors=True)
     _write_latest(root, final.name)
     _prune(root, keep_last, keep=final)
     return final
+
+
+def _check_save_arguments(step: int, keep_last: int) -> None:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+
+
+def _metadata_texts(step: int, stage: Optional[str], data_position: Any, extra: Optional[dict],
+                    config: Optional[dict]) -> tuple[str, Optional[str]]:
+    """The texts of state.json and of run_config.json (None without a config)."""
+    state = {"format": FORMAT, "step": int(step), "stage": stage, "data_position": data_position,
+             "extra": extra or {}, "time": time.time()}
+    state_text = json.dumps(state, indent=2)  # fails early on non-JSON data
+    config_text = json.dumps(config, indent=2) if config is not None else None
+    return state_text, config_text
+
+
+def _step_folders(root: Path, step: int) -> tuple[Path, Path, Path]:
+    """Step ``step``'s checkpoint folder, the temp folder its save writes, and
+    the name a re-save moves the step's previous checkpoint to."""
+    final, tmp, old = (root / f"ckpt-{step:08d}{suffix}" for suffix in ("", ".tmp", ".old"))
+    return final, tmp, old
+
+
+def _empty_temp_folder(tmp: Path) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a save that was killed
+    tmp.mkdir()
+
+
+def _write_training_state(
+    tmp: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: Optional[torch.optim.Optimizer],
+    scheduler: Any,
+    generators: Optional[dict[str, torch.Generator]],
+    model_state_dict: Optional[dict[str, torch.Tensor]],
+    optimizer_state_dict: Optional[dict],
+) -> None:
+    """model/ (weights, tokenizer), optimizer.pt, scheduler.pt and rng.pt."""
+    model.save_pretrained(str(tmp / "model"), safe_serialization=True, state_dict=model_state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp / "model"))
+    if optimizer is not None:
+        state = optimizer.state_dict() if optimizer_state_dict is None else optimizer_state_dict
+        torch.save(state, tmp / "optimizer.pt")
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(_get_rng_states(generators), tmp / "rng.pt")
+
+
+def _write_metadata(tmp: Path, state_text: str, config_text: Optional[str]) -> None:
+    (tmp / "state.json").write_text(state_text)
+    if config_text is not None:
+        (tmp / "run_config.json").write_text(config_text)
+
+
+def _save_error(exc: BaseException, root: Path, step: int) -> Optional[SaveError]:
+    """The one-line SaveError when `exc` is a failed write, else None (a bug,
+    which the caller re-raises as it is)."""
+    reason = write_failure(exc, root)
+    if reason is None:
+        return None
+    return SaveError(f"checkpoint step {step} could not be written to {root}: {reason}; "
+                     f"{_previous(root)} (free space there, then --resume)")
 
 
 def _write_manifest(folder: Path, step: int) -> None:
@@ -461,7 +511,7 @@ def recover_interrupted_saves(root: str | os.PathLike, full_verify: bool = True)
     names = {p.name for p in root.iterdir() if p.is_dir()}
     steps = {int(m.group(1)) for n in names for m in [_TMP.match(n) or _OLD.match(n)] if m}
     for step in sorted(steps):
-        final, tmp, old = (root / f"ckpt-{step:08d}{suffix}" for suffix in ("", ".tmp", ".old"))
+        final, tmp, old = _step_folders(root, step)
         if tmp.is_dir() and _verifies(tmp, full_verify):
             if final.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
