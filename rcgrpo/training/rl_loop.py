@@ -63,8 +63,9 @@ def step_share(schedule_row: Sequence[int], tp_size: int) -> tuple[list[int], in
 
 
 @dataclasses.dataclass
-class RLStage:
-    """What every step of one RL stage invocation uses, built once at its start."""
+class RLStageState:
+    """What every step of one RL stage invocation uses, built once at its start
+    (the stage itself, as the pipeline runs it: rcgrpo.pipeline.stages.RlStage)."""
     ctx: RunContext
     stage: str
     policy: TrainablePolicy
@@ -92,7 +93,7 @@ class StepRollouts:
     offset: int
 
 
-def play_step(run: RLStage, step: int) -> StepRollouts:
+def play_step(run: RLStageState, step: int) -> StepRollouts:
     """The engine wakes, takes the policy's current weights, plays the step's
     rollouts (with dynamic sampling's extra draws) and goes back to sleep."""
     ctx, g = run.ctx, run.ctx.cfg.grpo
@@ -135,7 +136,7 @@ def play_step(run: RLStage, step: int) -> StepRollouts:
                         ds_counts, extra_generated, replays, version, offset)
 
 
-def train_step(run: RLStage, step: int) -> dict:
+def train_step(run: RLStageState, step: int) -> dict:
     """One step: its rollouts, its update, the learning curve where due; the
     step's record for metrics.jsonl."""
     g = run.ctx.cfg.grpo
@@ -163,7 +164,7 @@ def train_step(run: RLStage, step: int) -> dict:
 
 
 def start_stage(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
-                finetune_stage: str) -> tuple[RLStage, int]:
+                finetune_stage: str) -> tuple[RLStageState, int]:
     """The stage's optimizer, schedule, settings, probe and parity oracle;
     the step to start from (a resumed run's)."""
     g = ctx.cfg.grpo
@@ -177,7 +178,7 @@ def start_stage(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, en
     probe = RewardProbe(ctx, stage, policy, engine, entries, finetune_stage)
     parity = ParityOracle(stage, policy, every=ctx.cfg.model.parity_check_every, path=loss_path(ctx.cfg.run.fused),
                           temperature=settings.temperature)
-    return RLStage(ctx, stage, policy, engine, entries, conditioning, schedule, settings, update, optimizer,
+    return RLStageState(ctx, stage, policy, engine, entries, conditioning, schedule, settings, update, optimizer,
                    scheduler, parity, probe), start
 
 
