@@ -91,19 +91,18 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             for name, home in homes.items():
                 setattr(module, name, getattr(importlib.import_module(home), name))
             module.__all__ = sorted(homes)
-            self._own_spec = None
             return module
         new = MOVED[spec.name]
         warnings.warn(f"{spec.name} moved to {new}; the old path goes in rcgrpo 0.2", DeprecationWarning,
                       stacklevel=2)
         module = importlib.import_module(new)
-        self._own_spec = module.__spec__
+        spec.loader_state = module.__spec__  # kept on the spec, which the import system stamps on the module
         return module
 
     def exec_module(self, module):
         # The import system stamped the old path's spec on the module; give a moved one its own back.
-        if self._own_spec is not None:
-            module.__spec__ = self._own_spec
+        if module.__spec__.loader_state is not None:
+            module.__spec__ = module.__spec__.loader_state
 
 
 def install() -> None:

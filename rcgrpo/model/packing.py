@@ -56,7 +56,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from rcgrpo_kernels.loss_types import get_loss_type
-from rcgrpo_kernels.packing import loss_token_counts
+from rcgrpo_kernels.packing import loss_token_counts, next_token_targets
 
 __all__ = [
     "Trajectory",
@@ -243,7 +243,7 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     cu = torch.zeros(len(cols.lens) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(cols.lens, dtype=torch.int32), 0, out=cu[1:])
     sampled_mask = torch.tensor(cols.sampled, dtype=torch.bool)
-    targets, loss_mask = _next_token_targets(input_ids, sampled_mask, cu)
+    targets, loss_mask = next_token_targets(input_ids, sampled_mask, cu)
 
     return PackedBatch(
         input_ids=input_ids,
@@ -301,22 +301,6 @@ class _Columns:
             self.ref.extend(_per_token(t.ref_logprobs, t.sampled_mask, n, "ref_logprobs", i))
         if has_ver:
             self.ver.extend(_per_token(t.versions, t.sampled_mask, n, "versions", i))
-
-
-def _next_token_targets(input_ids: torch.Tensor, sampled_mask: torch.Tensor,
-                        cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(targets, loss_mask) of the module docstring's alignment (what
-    ``rcgrpo_kernels.packing.next_token_targets`` returns: tests/test_batch.py)."""
-    # Shift left by one; then clear each sequence's last position, where the
-    # shifted value would belong to the next sequence.
-    last = cu[1:].long() - 1
-    targets = torch.zeros_like(input_ids)
-    targets[:-1] = input_ids[1:]
-    targets[last] = 0
-    loss_mask = torch.zeros_like(sampled_mask)
-    loss_mask[:-1] = sampled_mask[1:]
-    loss_mask[last] = False
-    return targets, loss_mask
 
 
 def _shifted(values: list[float], loss_mask: torch.Tensor, dtype=torch.float32, fill=0) -> torch.Tensor:
