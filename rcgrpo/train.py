@@ -27,6 +27,7 @@ from rcgrpo.config.cli import parse_command_line, run_header
 from rcgrpo.model.loading import reward_token_ids
 from rcgrpo.pipeline.claim import claim_fresh_run_dir, claimed_run_folder
 from rcgrpo.pipeline.engine import RunEngine
+from rcgrpo.pipeline.environment import UserEnvironment
 from rcgrpo.pipeline.prepare import Prepared, pick_device, prepare, seed_everything, training_entries
 from rcgrpo.pipeline.push import push_finished_stage
 from rcgrpo.pipeline.resume import check_resume
@@ -42,10 +43,12 @@ __all__ = ["main", "run", "prepare", "training_entries", "claim_fresh_run_dir", 
            "RunInUseError", "distributed"]
 
 
-def run(cfg: Config) -> int:
+def run(cfg: Config, environment: UserEnvironment | None = None) -> int:
+    """The pipeline of `cfg`; `environment`: the Python trainer's objects
+    (rcgrpo.trainer), else the config's env section says what to play."""
     seed_everything(cfg.data.seed)
     quiet_library_progress()
-    prepared = prepare(cfg)  # every rank checks (the same things), so all of them stop on a problem
+    prepared = prepare(cfg, environment)  # every rank checks (the same things), so all of them stop on a problem
     with claimed_run_folder(cfg):
         context = open_run(cfg, prepared)
         for stage in (STAGES[name] for name in PIPELINES[cfg.run.pipeline]):
@@ -64,9 +67,10 @@ def open_run(cfg: Config, prepared: Prepared) -> PipelineContext:
     ctx = RunContext(cfg, prepared.device, prepared.tokenizer, prepared.base)
     if distributed.is_main():
         save_config(cfg, ctx.run_dir)
-    log_line(f"run folder {ctx.run_dir}; {len(prepared.entries)} training entries; stages {cfg.stages}; "
-             f"fused={cfg.run.fused}")
-    return PipelineContext(ctx, prepared.entries, token_ids, RunEngine(cfg, prepared.device), current=prepared.base)
+    log_line(f"run folder {ctx.run_dir}; environment {prepared.environment.description}; "
+             f"{len(prepared.entries)} training tasks; stages {cfg.stages}; fused={cfg.run.fused}")
+    return PipelineContext(ctx, prepared.entries, token_ids, RunEngine(cfg, prepared.device), current=prepared.base,
+                           environment=prepared.environment)
 
 
 def skipped(stage: Stage, context: PipelineContext) -> bool:

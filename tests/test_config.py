@@ -315,7 +315,7 @@ def test_reading_a_config_loads_no_model_library():
 
 
 TEXT_KEYS = [k for k, (tp, _) in C.all_keys().items() if str in (tp, optional_inner(tp))]
-LIST_KEYS = [k for k, (tp, _) in C.all_keys().items() if "list" in str(tp)]
+LIST_KEYS = [k for k, (tp, _) in C.all_keys().items() if "list[str]" in str(tp)]  # lists of text
 
 
 @pytest.mark.parametrize("key", TEXT_KEYS)

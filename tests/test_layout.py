@@ -36,10 +36,13 @@ LAYERS = (
     "pipeline",      # the stages as objects, the run's engine, preparing and resuming a run
     "train",         # entry points: python -m rcgrpo.train / rcgrpo.eval
     "eval",
+    "trainer",       # the Python trainer (RCGRPOTrainer, RCGRPOConfig) over rcgrpo.train
 )
 # Entry points: run as commands, so imported by nothing of rcgrpo.
 ENTRY_POINTS = {"rcgrpo.train", "rcgrpo.eval", "rcgrpo.config.__main__", "rcgrpo.report.__main__", "rcgrpo.evaluation.cli",
-                "rcgrpo.report.cli"}
+                "rcgrpo.report.cli", "rcgrpo.trainer",
+                # adapters a user imports to build an environment_factory (rcgrpo.envs.tool_env's contract)
+                "rcgrpo.envs.mcp_tools", "rcgrpo.envs.openenv_tools"}
 # rcgrpo/__init__.py and the old paths' aliases (rcgrpo/moved.py) stand outside the layers.
 OUTSIDE = {"rcgrpo", "rcgrpo.moved"}
 

@@ -25,7 +25,18 @@ def marked_blocks(text: str) -> list[tuple[int, str, str]]:
     return found
 
 
-BLOCKS = marked_blocks((ROOT / "README.md").read_text())
+README = (ROOT / "README.md").read_text()
+BLOCKS = marked_blocks(README)
+
+
+def _marker(line: int) -> str:
+    return README.splitlines()[line - 2]
+
+
+# A block whose marker says "slow" (it trains) runs in `make test`, not in `make test-fast`.
+PARAMS = [pytest.param(line, lang, code, id=f"README.md:{line}",
+                       marks=[pytest.mark.slow] if "slow" in _marker(line) else [])
+          for line, lang, code in BLOCKS]
 
 
 def test_the_marked_blocks_are_found():
@@ -34,11 +45,11 @@ def test_the_marked_blocks_are_found():
     assert marked_blocks(f"{MARK} -->\n```python\nx = 1\n```\n```bash\nno\n```\n") == [(2, "python", "x = 1\n")]
 
 
-@pytest.mark.parametrize("line,lang,code", BLOCKS, ids=[f"README.md:{line}" for line, _, _ in BLOCKS])
+@pytest.mark.parametrize("line,lang,code", PARAMS)
 def test_readme_block_runs(line, lang, code, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     argv = [sys.executable, "-c", code] if lang == "python" else ["bash", "-e", "-c", code]
     out = subprocess.run(argv, cwd=ROOT if lang == "bash" else tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=1200)
     assert out.returncode == 0, f"README.md:{line} ({lang}) exited {out.returncode}:\n{out.stderr[-3000:]}"

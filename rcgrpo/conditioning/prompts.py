@@ -112,13 +112,21 @@ def with_reward_goal(messages: list[dict[str, str]], reward_token: str | None) -
 
 
 def initial_messages(episode, reward_token: str | None = None, doc_style: str = "compact") -> list[dict[str, str]]:
-    """System prompt + the user message(s) of the episode's first turn."""
+    """System prompt + the user message(s) of the episode's first turn. An
+    environment under the TRL contract writes its own opening
+    (`opening_messages`, rcgrpo.envs.tool_env); BFCL's is built here."""
+    own = getattr(episode, "opening_messages", None)
+    if own is not None:
+        return with_reward_goal(own(), reward_token)
     docs_of = getattr(episode, "initial_function_docs", None) or episode.visible_function_docs
     system = {"role": "system", "content": system_prompt(docs_of(), doc_style)}
     return [system] + with_reward_goal(episode.turn_messages(), reward_token)
 
 
-def _text(tokenizer, messages, add_generation_prompt: bool) -> str:
+def _text(tokenizer, messages, add_generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
+    if tools:  # only then: a template that takes no tools must render exactly as before
+        return tokenizer.apply_chat_template(list(messages), tools=list(tools), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
@@ -158,7 +166,7 @@ def _sentinel(i: int) -> str:
 
 
 def _render_ids(tokenizer, messages: Sequence[dict[str, str]], first_new: int, add_generation_prompt: bool,
-                before: str = "", lead: str = "") -> list[int]:
+                before: str = "", lead: str = "", tools: Sequence[dict] | None = None) -> list[int]:
     """Ids of `lead` + the template's rendering of `messages` after the text
     `before` (the rendering of messages[:first_new]): template text encoded
     with its special tokens, each message's content from first_new on plain.
@@ -170,7 +178,7 @@ def _render_ids(tokenizer, messages: Sequence[dict[str, str]], first_new: int, a
     masked = [dict(m) for m in messages]
     for i in range(first_new, len(masked)):
         masked[i]["content"] = _sentinel(i)
-    text = _text(tokenizer, masked, add_generation_prompt)
+    text = _text(tokenizer, masked, add_generation_prompt, tools)
     if not text.startswith(before):
         raise ValueError(
             "this chat template re-renders earlier messages when new ones are added; "
@@ -186,7 +194,7 @@ def _render_ids(tokenizer, messages: Sequence[dict[str, str]], first_new: int, a
     template_text.append(text[pos:])
     new = messages[first_new:]
     if before + "".join(t + m["content"] for t, m in zip(template_text, new)) + template_text[-1] != _text(
-        tokenizer, messages, add_generation_prompt
+        tokenizer, messages, add_generation_prompt, tools
     ):
         raise ValueError("this chat template does not insert message content verbatim; its ids cannot be built")
     ids = _encode(tokenizer, lead + template_text[0])
@@ -196,17 +204,19 @@ def _render_ids(tokenizer, messages: Sequence[dict[str, str]], first_new: int, a
 
 
 class ChatTokens:
-    """Token ids of a conversation's pieces, rendered by the model's chat template."""
+    """Token ids of a conversation's pieces, rendered by the model's chat template
+    (with `tools`, the JSON schemas a template that renders tools itself gets)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tools: Sequence[dict] | None = None):
         self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
         self.eot_id = tokenizer.eos_token_id  # the template's end-of-message token
         self.eot_text = tokenizer.convert_ids_to_tokens(self.eot_id)
 
     def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The opening prompt, ending where the assistant starts to write.
         Special tokens come only from the template and the reward tag."""
-        return _render_ids(self.tokenizer, messages, 0, add_generation_prompt=True)
+        return _render_ids(self.tokenizer, messages, 0, add_generation_prompt=True, tools=self.tools)
 
     def decode_reply(self, sampled_ids: Sequence[int]) -> str:
         """The assistant text the environment sees (special tokens dropped)."""
@@ -229,7 +239,7 @@ class ChatTokens:
         """
         if not history or history[-1]["role"] != "assistant":
             raise ValueError("history must end with the assistant reply")
-        before = _text(self.tokenizer, history, add_generation_prompt=False)
+        before = _text(self.tokenizer, history, add_generation_prompt=False, tools=self.tools)
         end = before.rfind(self.eot_text)
         if end < 0:
             raise ValueError(f"the chat template does not close assistant messages with {self.eot_text!r}")
@@ -237,4 +247,4 @@ class ChatTokens:
         prefix = glue if reply_closed else self.eot_text + glue
         # New messages' content (tool results, the next user turn) is plain text.
         return _render_ids(self.tokenizer, list(history) + list(new_messages), len(history),
-                           add_generation_prompt=True, before=before, lead=prefix)
+                           add_generation_prompt=True, before=before, lead=prefix, tools=self.tools)

@@ -63,9 +63,10 @@ def token_named(name: str) -> str | None:
         raise ValueError(f"conditioning {name!r}: one of {CONDITIONING_NAMES}") from None
 
 
-def label_for_reward(reward: float) -> str:
-    """RCTP's label of a trajectory: high for a full reward, low otherwise."""
-    return HIGH_REWARD if reward >= 1.0 else LOW_REWARD
+def label_for_reward(reward: float, threshold: float = 1.0) -> str:
+    """RCTP's label of a trajectory: high for a success (reward >= `threshold`:
+    BFCL's full reward, an environment's env.success_threshold), low otherwise."""
+    return HIGH_REWARD if reward >= threshold else LOW_REWARD
 
 
 @dataclass(frozen=True)

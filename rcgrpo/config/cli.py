@@ -53,6 +53,12 @@ ALIASES = {
     "out-dir": "run.out_dir",
     "device": "run.device",
     "report-to": "run.report_to",
+    # TRL's words for the environment (rcgrpo.envs.tool_env)
+    "env": "env.name",
+    "dataset": "env.dataset",
+    "eval-dataset": "env.eval_dataset",
+    "tools": "env.tools",
+    "reward-funcs": "env.reward_funcs",
 }
 # The command's own flags (not settings): their metavar and what they do.
 COMMAND_FLAGS = {

@@ -24,6 +24,9 @@ from rcgrpo.base.stages import FINETUNE_STAGES, PIPELINES, RL_STAGES
 from rcgrpo.conditioning.prompts import DOC_STYLES
 from rcgrpo.conditioning.reward_tokens import CONDITIONING_NAMES, HIGH_REWARD
 from rcgrpo.envs.data import CATEGORIES
+from rcgrpo.envs.shipped import SHIPPED_ENVIRONMENTS
+from rcgrpo.envs.tool_calls import TOOL_FORMATS
+from rcgrpo.envs.tool_env import DEFAULT_CALL_TIMEOUT_S, DEFAULT_MAX_TOOL_STEPS
 from rcgrpo.model.shape import LAYER_PROJECTIONS
 from rcgrpo.rollout import ENGINES
 from rcgrpo.run.trackers import TRACKERS
@@ -51,6 +54,7 @@ SEED_MAX = 2**32 - 1  # numpy.random.seed's upper bound
 # * late_divergence: reward-0 rollouts whose first divergence from the expert
 #   comes at least `rctp.min_divergence_tokens` generated tokens into the reply.
 FAILURE_SOURCES = ("rollouts", "near_miss", "late_divergence")
+EXPERT_SOURCES = ("reference", "rollouts")
 
 
 class ConfigError(UserError, ValueError):
@@ -136,9 +140,47 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA settings"})
 
 
+BFCL = "bfcl"
+
+
+@dataclass
+class EnvConfig:
+    """The environment a run trains and evaluates on: BFCL (the paper's), an
+    environment rcgrpo ships, or the user's, in TRL's contract
+    (rcgrpo.envs.tool_env; the Python trainer hands objects in directly)."""
+
+    name: str = _f(
+        BFCL, f"{BFCL} (BFCL v4 multi-turn), a shipped environment ({', '.join(SHIPPED_ENVIRONMENTS)}), or "
+        "module:attr naming an environment_factory in TRL's contract (a class whose instances have reset(**row) "
+        "and tools as public methods, optionally get_reward())")
+    dataset: Optional[str] = _f(
+        None, "training tasks: a .jsonl file of rows with a prompt column (text or messages) and any columns; none "
+        "= the environment's own (BFCL's training split, a shipped environment's train split)")
+    eval_dataset: Optional[str] = _f(None, "evaluation tasks, as dataset (none = the environment's own test split)",
+                                     resume_safe=True)
+    tools: Optional[list[str]] = _f(None, "standalone tools (module:function, typed, Google-style docstrings), "
+                                    "besides the environment's methods", nonempty=True, unique=True)
+    reward_funcs: Optional[list[str]] = _f(
+        None, "reward functions (module:function): f(prompts, completions, **columns) -> list of floats or None, "
+        "summed with get_reward()", nonempty=True, unique=True)
+    success_threshold: float = _f(1.0, "a rollout succeeds (RCTP's high label, eval accuracy) iff its reward is at "
+                                  "least this")
+    reward_range: Optional[list[float]] = _f(
+        None, "[low, high]: a reward outside it is a scored failure (reward low); none = any finite number",
+        nonempty=True)
+    tool_format: str = _f("auto", f"how tool calls are written, one of {TOOL_FORMATS}: template = the chat "
+                          "template's tools (Qwen2.5, Llama-3.1), json_tags = schemas in the system prompt and "
+                          "<tool_call>{json}</tool_call> replies; auto = template when it renders tools",
+                          choices=TOOL_FORMATS)
+    max_tool_steps: int = _f(DEFAULT_MAX_TOOL_STEPS, "replies with tool calls per episode, at most", ge=1)
+    call_timeout_s: float = _f(DEFAULT_CALL_TIMEOUT_S, "seconds one call of user code (tool, reset, reward) may "
+                               "take", gt=0)
+
+
 @dataclass
 class DataConfig:
-    """Which BFCL training entries, and how their prompts are written."""
+    """Which training tasks, and how BFCL's prompts are written (categories,
+    entry_ids and doc_style are BFCL's; the rest applies to every environment)."""
 
     categories: list[str] = _f(list(CATEGORIES), f"BFCL multi-turn categories, subset of {CATEGORIES}",
                                choices=CATEGORIES, nonempty=True, unique=True)
@@ -185,6 +227,10 @@ class RctpConfig(SftConfig):
     min_divergence_tokens: int = _f(
         8, "late_divergence: generated tokens a rollout must share with the expert before it parts (choice)", ge=1)
     fill_with_perturbed: bool = _f(True, "top up a rollout source short of failures with near misses")
+    expert_source: str = _f(
+        "reference", f"where experts come from, one of {EXPERT_SOURCES}: the ground truth / the data set's completion "
+        "column (reference), or the starting model's rollouts that succeed (reward >= env.success_threshold; the "
+        "paper's way), failures then being its rollouts that do not; 1:1 either way", choices=EXPERT_SOURCES)
     steer_every: int = _f(
         1, "RCTP steps between measurements of the steer (how much more likely the expert's token is under the "
         "high tag than the low at each pair's first divergent token; also at step 0); 0 = off", resume_safe=True,
@@ -329,6 +375,7 @@ class Config:
     was applied first."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rctp: RctpConfig = field(default_factory=RctpConfig)
     sft: SftConfig = field(default_factory=SftConfig)

@@ -18,7 +18,8 @@ from typing import Any, Iterator
 
 from rcgrpo.base.stages import DYNAMIC_SAMPLING_PIPELINES, PAPER_RL_BATCH, PIPELINES
 from rcgrpo.conditioning.reward_tokens import default_eval_conditioning
-from rcgrpo.config.schema import EMBEDDED_MODEL, Config, ConfigError, all_keys, leaves, slug
+from rcgrpo.config.schema import BFCL, EMBEDDED_MODEL, Config, ConfigError, all_keys, leaves, slug
+from rcgrpo.envs.shipped import SHIPPED_ENVIRONMENTS
 from rcgrpo.model.hub import is_hub_id
 from rcgrpo.run.trackers import TRACKERS, missing
 
@@ -175,11 +176,26 @@ def _missing_files(cfg: Config) -> Iterator[str]:
                 yield f"model.name_or_path: {src} has no config.json (not a Hugging Face model folder)"
         elif looks_local:
             yield f"model.name_or_path: model folder {src} does not exist"
+    for key in ("dataset", "eval_dataset"):
+        path = getattr(cfg.env, key)
+        if path is not None and not Path(path).expanduser().is_file():
+            yield f"env.{key}: {path} {'is a folder, not a file' if Path(path).is_dir() else 'does not exist'}"
     if cfg.rctp.data_file is not None and not Path(cfg.rctp.data_file).expanduser().is_file():
         yield f"rctp.data_file: {cfg.rctp.data_file} does not exist"
 
 
-RULES = (_model_rules, _batch_rules, _pipeline_rules, _run_rules, _world_rules)
+def _env_rules(cfg: Config) -> Iterator[str]:
+    env = cfg.env
+    if env.name != BFCL and env.name not in SHIPPED_ENVIRONMENTS and ":" not in env.name:
+        yield (f"env.name {env.name!r}: {BFCL}, one of the shipped environments {list(SHIPPED_ENVIRONMENTS)}, or "
+               "module:attr naming an environment_factory")
+    if env.reward_range is not None and (len(env.reward_range) != 2 or env.reward_range[0] >= env.reward_range[1]):
+        yield f"env.reward_range must be [low, high] with low < high, got {env.reward_range}"
+    if env.name == BFCL and (env.tools or env.reward_funcs or env.dataset or env.eval_dataset):
+        yield "env.tools, env.reward_funcs, env.dataset and env.eval_dataset need an environment other than bfcl"
+
+
+RULES = (_model_rules, _batch_rules, _pipeline_rules, _run_rules, _world_rules, _env_rules)
 
 
 def _unusable(value: Any) -> bool:

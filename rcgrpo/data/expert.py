@@ -12,6 +12,7 @@ from typing import Iterable, Iterator, Sequence
 
 from rcgrpo.envs.calls import Call
 from rcgrpo.envs.reward import ground_truth
+from rcgrpo.envs.tool_env import different_value
 from rcgrpo.rollout.agent_loop import Rollout, RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import Generation, SamplingConfig
 
@@ -26,6 +27,25 @@ CANNOT_CALL = ("I cannot complete this request with the available functions and 
 def expert_turns(entry) -> list[list[str]]:
     """Per turn, the calls of the ground truth in canonical keyword form."""
     return ground_truth(entry).canonical_turns()
+
+
+def expert_script(entry) -> list[str] | None:
+    """The replies that play `entry`'s reference: BFCL's ground truth, or the
+    `completion` column of a task under the TRL contract (None: it has none)."""
+    environment = getattr(entry, "environment", None)
+    if environment is not None:
+        return environment.expert_replies(entry)
+    return script_from_turns(expert_turns(entry))
+
+
+def near_miss_scripts(entry, seed: int) -> Iterator[list[str]]:
+    """The replies of every one-mistake version of `entry`'s reference, in a seeded order."""
+    environment = getattr(entry, "environment", None)
+    if environment is not None:
+        yield from environment.near_miss_replies(entry, seed)
+        return
+    for turns in near_misses(entry, seed):
+        yield script_from_turns(turns)
 
 
 def script_from_turns(turns: Sequence[Sequence[str]]) -> list[str]:
@@ -87,17 +107,6 @@ def play_script(entry, tokenizer, replies: list[str], config: RolloutConfig,
     return rollout
 
 
-def _wrong(value):
-    """A value of the same kind that differs from `value`."""
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, (int, float)):
-        return value + 1
-    if isinstance(value, str):
-        return value + "_x"
-    return type(value)()  # an empty list / dict / tuple
-
-
 PERTURBATIONS = ("dropped", "wrong_value")
 
 
@@ -109,7 +118,7 @@ def _perturbed(calls: list[list[Call]], t: int, i: int, kind: str) -> list[list[
     elif kind == "wrong_value":
         call = out[t][i]
         key = sorted(call.kwargs)[0]
-        out[t][i] = Call(call.name, {**call.kwargs, key: _wrong(call.kwargs[key])})
+        out[t][i] = Call(call.name, {**call.kwargs, key: different_value(call.kwargs[key])})
     else:
         raise ValueError(f"unknown perturbation {kind!r}")
     return [[c.canonical() for c in turn] for turn in out]

@@ -31,8 +31,8 @@ from rcgrpo.base.errors import UserError
 from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
 from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, label_for_reward
 from rcgrpo.data.divergence import divergences, first_divergence
-from rcgrpo.data.expert import expert_turns, near_misses, play_script, script_from_turns
-from rcgrpo.envs.bfcl import Episode
+from rcgrpo.data.expert import expert_script, near_miss_scripts, play_script
+from rcgrpo.envs.episode import new_episode
 from rcgrpo.model.packing import Trajectory
 from rcgrpo.rollout.agent_loop import Rollout, RolloutConfig, run_episodes
 from rcgrpo.run.metrics import log_line, progress
@@ -60,7 +60,9 @@ def retag(rollout: Rollout, entry, tokenizer, token: str | None, doc_style: str,
     """The rollout with its prompt re-rendered under `token`: only the opening
     prompt changes; every later id (replies, tool results, next turns) was
     appended independently of it and is kept as produced."""
-    prompt = ChatTokens(tokenizer).prompt_ids(initial_messages(Episode(entry), token, doc_style))
+    episode = new_episode(entry)
+    prompt = ChatTokens(tokenizer, getattr(episode, "template_tools", None)).prompt_ids(
+        initial_messages(episode, token, doc_style))
     rest = slice(rollout.prompt_len, None)
     return Record(
         entry_id=rollout.entry_id, kind=kind, reward=rollout.reward, r_state=rollout.r_state,
@@ -70,8 +72,9 @@ def retag(rollout: Rollout, entry, tokenizer, token: str | None, doc_style: str,
     )
 
 
-def _labelled(rollout, entry, tokenizer, kind, doc_style, tagged: bool) -> Record:
-    return retag(rollout, entry, tokenizer, label_for_reward(rollout.reward) if tagged else None, doc_style, kind)
+def _labelled(rollout, entry, tokenizer, kind, doc_style, tagged: bool, threshold: float = 1.0) -> Record:
+    label = label_for_reward(rollout.reward, threshold) if tagged else None
+    return retag(rollout, entry, tokenizer, label, doc_style, kind)
 
 
 def demonstration_config(config: RolloutConfig) -> RolloutConfig:
@@ -80,21 +83,37 @@ def demonstration_config(config: RolloutConfig) -> RolloutConfig:
     return replace(config, max_new_tokens=config.max_total_tokens)
 
 
-def expert_records(entries: Sequence, tokenizer, config: RolloutConfig, tagged: bool) -> list[Record]:
+def expert_records(entries: Sequence, tokenizer, config: RolloutConfig, tagged: bool,
+                   threshold: float = 1.0) -> list[Record]:
+    """Each entry's reference played and labelled (entries without one are left out)."""
     config = demonstration_config(config)
     out = []
     for entry in progress(entries, desc="expert trajectories", leave=False):
-        rollout = play_script(entry, tokenizer, script_from_turns(expert_turns(entry)), config)
-        out.append(_labelled(rollout, entry, tokenizer, "expert", config.doc_style, tagged))
+        script = expert_script(entry)
+        if script is None:
+            continue
+        rollout = play_script(entry, tokenizer, script, config)
+        out.append(_labelled(rollout, entry, tokenizer, "expert", config.doc_style, tagged, threshold))
     return out
 
 
+def _spread(records: list[Record]) -> list[Record]:
+    """At most one record per entry first, so that a cut keeps many entries."""
+    first, rest, seen = [], [], set()
+    for r in records:
+        (rest if r.entry_id in seen else first).append(r)
+        seen.add(r.entry_id)
+    return first + rest
+
+
 def failure_records(engine, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int, needed: int,
-                    experts: Sequence[Record] = (), min_divergence: int | None = None) -> list[Record]:
-    """Reward-0 rollouts of the starting model (unconditioned), at most one per
-    entry first, so failures spread over entries. With `min_divergence`, only
-    rollouts whose first divergence from their entry's expert record comes
-    at least that many generated tokens into the reply."""
+                    experts: Sequence[Record] = (), min_divergence: int | None = None,
+                    threshold: float = 1.0) -> list[Record]:
+    """Failed rollouts (reward below `threshold`) of the starting model
+    (unconditioned), at most one per entry first, so failures spread over
+    entries. With `min_divergence`, only rollouts whose first divergence from
+    their entry's expert record comes at least that many generated tokens
+    into the reply."""
     if needed <= 0 or attempts <= 0:
         return []
     rollouts = run_episodes(engine, tokenizer, list(entries), group_size=attempts, config=config, reward_tokens=None)
@@ -102,63 +121,93 @@ def failure_records(engine, entries: Sequence, tokenizer, config: RolloutConfig,
     expert_of = {r.entry_id: r for r in experts}
     candidates = []
     for r in rollouts:
-        if r.reward >= 1.0:
+        if r.reward >= threshold:
             continue
-        record = _labelled(r, by_id[r.entry_id], tokenizer, "failure", config.doc_style, True)
+        record = _labelled(r, by_id[r.entry_id], tokenizer, "failure", config.doc_style, True, threshold)
         if min_divergence is not None:
             d = first_divergence(expert_of[r.entry_id], record) if r.entry_id in expert_of else None
             if d is None or d.reply_offset < min_divergence:
                 continue
         candidates.append(record)
-    first, rest, seen = [], [], set()
-    for r in candidates:
-        (rest if r.entry_id in seen else first).append(r)
-        seen.add(r.entry_id)
-    return (first + rest)[:needed]
+    return _spread(candidates)[:needed]
 
 
-def near_miss_records(entries: Sequence, tokenizer, config: RolloutConfig, needed: int, seed: int) -> list[Record]:
+def rollout_records(engine, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int,
+                    threshold: float) -> tuple[list[Record], list[Record]]:
+    """The paper's way: the starting model's rollouts, labelled by the reward
+    (success iff reward >= `threshold`), as (experts, failures), 1:1: as many
+    of each as the scarcer kind has, spread over entries."""
+    rollouts = run_episodes(engine, tokenizer, list(entries), group_size=attempts, config=config, reward_tokens=None)
+    by_id = {e.id: e for e in entries}
+    experts, failures = [], []
+    for r in rollouts:
+        kind = "expert" if r.reward >= threshold else "failure"
+        record = _labelled(r, by_id[r.entry_id], tokenizer, kind, config.doc_style, True, threshold)
+        (experts if kind == "expert" else failures).append(record)
+    n = min(len(experts), len(failures))
+    log_line(f"[rctp-data] {len(rollouts)} rollouts of the starting model: {len(experts)} succeed, "
+             f"{len(failures)} fail; {n} of each kept (1:1)")
+    return _spread(experts)[:n], _spread(failures)[:n]
+
+
+def near_miss_records(entries: Sequence, tokenizer, config: RolloutConfig, needed: int, seed: int,
+                      threshold: float = 1.0) -> list[Record]:
     """Expert trajectories with one mistake (a call dropped, or an argument
     changed; `expert.near_misses`), executed and labelled by the reward: a
     version that still earns reward 1 is not a failure and is not kept. One
     per entry per round, in `entries`' order, until `needed` are found or
     every entry's versions are used up."""
     config = demonstration_config(config)
-    candidates = {e.id: near_misses(e, seed) for e in entries}
+    candidates = {e.id: near_miss_scripts(e, seed) for e in entries}
     out: list[Record] = []
     while len(out) < needed and candidates:
         for entry in entries:
             if len(out) >= needed:
                 break
-            for turns in candidates.get(entry.id, ()):
-                rollout = play_script(entry, tokenizer, script_from_turns(turns), config)
-                if rollout.reward < 1.0:
-                    out.append(_labelled(rollout, entry, tokenizer, "perturbed", config.doc_style, True))
+            for replies in candidates.get(entry.id, ()):
+                rollout = play_script(entry, tokenizer, replies, config)
+                if rollout.reward < threshold:
+                    out.append(_labelled(rollout, entry, tokenizer, "perturbed", config.doc_style, True, threshold))
                     break
             else:
                 candidates.pop(entry.id, None)  # no failing version left
     return out
 
 
-def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, rctp, seed: int) -> list[Record]:
+def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, rctp, seed: int,
+               threshold: float = 1.0) -> list[Record]:
     """Expert + failure records, `rctp.failure_ratio` failures per expert (the
-    paper: 1:1), the failures from `rctp.failure_source` (rcgrpo.config.schema, FAILURE_SOURCES).
-    `rctp` is the config's RctpConfig. With `rctp.fill_with_perturbed`,
-    rollout sources short of failures are topped up with near misses, entries
-    without a failure first."""
-    experts = expert_records(entries, tokenizer, config, tagged=True)
+    paper: 1:1), labelled high iff reward >= `threshold` (env.success_threshold).
+    Experts from `rctp.expert_source`: the references (ground truth, a data
+    set's completions), or the starting model's successful rollouts, whose
+    failed rollouts are then the failures. Otherwise the failures come from
+    `rctp.failure_source` (rcgrpo.config.schema, FAILURE_SOURCES). `rctp` is
+    the config's RctpConfig. With `rctp.fill_with_perturbed`, rollout sources
+    short of failures are topped up with near misses, entries without a
+    failure first."""
+    if rctp.expert_source == "rollouts":
+        experts, failures = rollout_records(engine, entries, tokenizer, config, max(rctp.failure_attempts, 1),
+                                            threshold)
+        if not experts:
+            raise RctpDataError("rctp.expert_source rollouts: no rollout of the starting model succeeded, so RCTP "
+                                "has no expert; raise rctp.failure_attempts or use references")
+        return experts + failures
+    experts = expert_records(entries, tokenizer, config, tagged=True, threshold=threshold)
+    if not experts:
+        raise RctpDataError("RCTP has no expert: no training task has a reference (a completion column); use "
+                            "--rctp.expert_source rollouts")
     needed = int(round(rctp.failure_ratio * len(experts)))
     source = rctp.failure_source
     if source == "near_miss":
-        failures = near_miss_records(entries, tokenizer, config, needed, seed)
+        failures = near_miss_records(entries, tokenizer, config, needed, seed, threshold)
     else:
         failures = failure_records(engine, entries, tokenizer, config, rctp.failure_attempts, needed, experts,
-                                   rctp.min_divergence_tokens if source == "late_divergence" else None)
+                                   rctp.min_divergence_tokens if source == "late_divergence" else None, threshold)
     log_line(f"[rctp-data] {len(experts)} expert, {len(failures)} failures from {source} (needed {needed})")
     if len(failures) < needed and rctp.fill_with_perturbed and source != "near_miss":
         have = {r.entry_id for r in failures}
         order = sorted(entries, key=lambda e: e.id in have)
-        filled = near_miss_records(order, tokenizer, config, needed - len(failures), seed)
+        filled = near_miss_records(order, tokenizer, config, needed - len(failures), seed, threshold)
         log_line(f"[rctp-data] filled with {len(filled)} near misses (perturbed expert trajectories)")
         failures += filled
     return experts + failures

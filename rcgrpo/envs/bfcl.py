@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from bfcl_eval.constants.default_prompts import (
@@ -24,6 +23,7 @@ from rcgrpo.envs.budget import CALL_DID_NOT_STOP, ENV_TIME_LIMIT, EpisodeBudget
 from rcgrpo.envs.calls import Call, DecodeError, Positional, decode_calls
 from rcgrpo.envs.data import BFCLEntry, DataError, load_entries
 from rcgrpo.envs.executor import DEFAULT_CALL_TIMEOUT_S, CallOutcome, Executor, build_instances
+from rcgrpo.envs.results import EpisodeResult, StepResult
 from rcgrpo.envs.reward import (
     NOT_EXECUTED_PLACEHOLDER,
     action_reward,
@@ -37,32 +37,6 @@ __all__ = [
     "BFCLEntry", "DataError", "Episode", "EpisodeBudget", "EpisodeResult", "StepResult",
     "load_entries", "split_train_test", "ground_truth",
 ]
-
-
-@dataclass
-class StepResult:
-    calls: list[Call]
-    # One {"role": "tool", "name": call, "content": result} per call, in order.
-    tool_messages: list[dict[str, str]]
-    turn_ended: bool
-    done: bool
-    # Why the reply (or some of its calls) could not be decoded safely; the
-    # rejected calls' tool messages carry the same reason to the model.
-    decode_error: str | None = None
-
-
-@dataclass
-class EpisodeResult:
-    entry_id: str
-    reward: float
-    r_state: float
-    r_action: float
-    valid: bool  # the official checker's verdict
-    verdict_error: str | None
-    turns: int  # turns completed
-    steps: int  # model replies consumed
-    end_reason: str
-    executed_calls: list[str] = field(default_factory=list)
 
 
 class Episode:

@@ -1,9 +1,10 @@
 """Score recorded call strings (BFCL result-file structure) through an Episode."""
 from __future__ import annotations
 
-from rcgrpo.envs.bfcl import Episode, EpisodeResult
+from rcgrpo.envs.bfcl import Episode
 from rcgrpo.envs.calls import Call, Positional
 from rcgrpo.envs.data import BFCLEntry
+from rcgrpo.envs.results import EpisodeResult
 from rcgrpo.envs.reward import ground_truth
 
 

@@ -57,7 +57,8 @@ def evaluate(engine, tokenizer, entries: Sequence, conditioning: str, settings: 
         by_cat[entry.category].append(r)
         rows.append({"id": entry.id, "valid": r.valid, "reward": r.reward, "r_state": r.r_state,
                      "r_action": r.r_action, "turns": r.turns, "steps": r.steps, "end_reason": r.end_reason})
-    cats = [c for c in CATEGORIES if c in by_cat]
+    # BFCL's categories in the paper's order, then any other environment's, by name.
+    cats = [c for c in CATEGORIES if c in by_cat] + sorted(c for c in by_cat if c not in CATEGORIES)
     table = accuracy_table([(e.category, r.valid) for e, r in zip(entries, rollouts)])
     return {
         "categories": {c: table[c] for c in cats},
@@ -88,11 +89,12 @@ def table_markdown(result: dict, method: str) -> str:
     return "\n".join([head, sep, f"| {method} | {cells} |"])
 
 
-def write_eval(result: dict, out_dir: Path, method: str) -> tuple[Path, Path]:
+def write_eval(result: dict, out_dir: Path, method: str, environment: str = "bfcl") -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = RunFolder(out_dir).eval_json, RunFolder(out_dir).eval_md
-    atomic_write_text(json_path, json.dumps({**result, "method": method}, indent=1))
+    atomic_write_text(json_path, json.dumps({**result, "method": method, "environment": environment}, indent=1))
     counts = ", ".join(f"{c}: {n}" for c, n in result["n"].items())
-    atomic_write_text(md_path, f"# BFCL v4 multi-turn ({counts} entries; accuracy %, official checker)\n\n"
-                      + table_markdown(result, method) + "\n")
+    title = (f"BFCL v4 multi-turn ({counts} entries; accuracy %, official checker)" if environment == "bfcl"
+             else f"{environment} ({counts} tasks; accuracy %: reward >= the success threshold)")
+    atomic_write_text(md_path, f"# {title}\n\n" + table_markdown(result, method) + "\n")
     return json_path, md_path

@@ -24,6 +24,13 @@ from rcgrpo.evaluation.rollouts import named_entries
 from rcgrpo.model.hub import check_push
 from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
 from rcgrpo.model.shape import model_shape
+from rcgrpo.pipeline.environment import (
+    RunEnvironment,
+    UserEnvironment,
+    run_environment,
+    tool_evaluation_tasks,
+    tool_training_tasks,
+)
 from rcgrpo.pipeline.resume import check_resume
 from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.lock import holder_of, in_use
@@ -42,10 +49,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def training_entries(cfg: Config, tokenizer) -> list:
-    """Training split of the configured categories whose opening prompt fits
-    `data.max_prompt_tokens`: the named `data.entry_ids` (all of them), else
-    optionally a seeded subset of `data.train_subset`."""
+def training_entries(cfg: Config, tokenizer, environment: RunEnvironment | None = None) -> list:
+    """The run's training tasks. BFCL: the training split of the configured
+    categories whose opening prompt fits `data.max_prompt_tokens`: the named
+    `data.entry_ids` (all of them), else optionally a seeded subset of
+    `data.train_subset`. Another environment: its data set's rows
+    (rcgrpo.pipeline.environment.tool_training_tasks)."""
+    if environment is not None and not environment.is_bfcl:
+        return tool_training_tasks(cfg, tokenizer, environment)
     train, _ = split_train_test(load_entries(cfg.data.categories))
     if cfg.data.entry_ids is not None:
         train = named_entries(train, cfg.data.entry_ids, "data.entry_ids",
@@ -75,12 +86,14 @@ class Prepared:
     base: Path
     tokenizer: object
     entries: list
+    environment: RunEnvironment = dataclasses.field(default_factory=RunEnvironment)
 
 
-def prepare(cfg: Config) -> Prepared:
+def prepare(cfg: Config, given: UserEnvironment | None = None) -> Prepared:
     """Every check that needs no run folder, before one is claimed: a refused
-    resume, the memory plan, the model folder, the training entries, a given
-    RCTP data file (each token id an id of the tokenizer)."""
+    resume, the environment (`given`: the Python trainer's objects), the memory
+    plan, the model folder, the training tasks and the evaluation tasks, a
+    given RCTP data file (each token id an id of the tokenizer)."""
     # First: no other check matters while another run writes there. Rank 0
     # alone looks (it claims the folder; a peer looking later would find
     # rank 0 itself holding it).
@@ -91,6 +104,7 @@ def prepare(cfg: Config) -> Prepared:
         check_resume(cfg, write=False)  # recorded once the folder is held (rcgrpo.train.open_run)
     if cfg.run.push_to_hub and distributed.is_main():
         check_push(cfg.run.push_to_hub)  # a token and the repo, before hours of training
+    environment = run_environment(cfg, given)  # imports and probes the user's code: fails before any load
     device = pick_device(cfg.run.device)
     shape = model_shape(cfg.model.name_or_path)
     if shape is not None:
@@ -100,10 +114,14 @@ def prepare(cfg: Config) -> Prepared:
         shape = model_shape(cfg.model.name_or_path, resolved=base)
         check_memory_plan(cfg, device, shape)
     tokenizer = load_tokenizer(base)
-    entries = training_entries(cfg, tokenizer)
+    if not environment.is_bfcl:
+        environment.tool_env.bind(tokenizer)
+        if "eval" in cfg.stages:
+            tool_evaluation_tasks(environment, cfg.eval.subset)  # every row checked now, not after training
+    entries = training_entries(cfg, tokenizer, environment)
     check_memory_plan(cfg, device, shape, rctp_entries=len(entries))
     check_rctp_data(cfg, vocab_size=len(tokenizer))
-    return Prepared(device, base, tokenizer, entries)
+    return Prepared(device, base, tokenizer, entries, environment)
 
 
 def check_rctp_data(cfg: Config, vocab_size: int) -> None:
@@ -122,8 +140,8 @@ def check_rctp_data(cfg: Config, vocab_size: int) -> None:
 
 def rctp_data_needs_engine(rctp) -> bool:
     """Whether building the RCTP set (`rctp`: the config's rctp section) plays
-    rollouts (near misses and a given data file need no engine)."""
-    return not rctp.data_file and rctp.failure_source != "near_miss"
+    rollouts (references with near misses, and a given data file, need no engine)."""
+    return not rctp.data_file and (rctp.failure_source != "near_miss" or rctp.expert_source == "rollouts")
 
 
 def check_memory_plan(cfg: Config, device: torch.device, shape, rctp_entries: int | None = None) -> None:

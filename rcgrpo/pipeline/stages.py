@@ -23,6 +23,7 @@ from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_reco
 from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
 from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.pipeline.engine import RunEngine
+from rcgrpo.pipeline.environment import RunEnvironment, tool_evaluation_tasks
 from rcgrpo.pipeline.prepare import rctp_data_needs_engine
 from rcgrpo.pipeline.push import push_finished_stage
 from rcgrpo.run.folder import RunFolder
@@ -46,6 +47,7 @@ class PipelineContext:
     token_ids: list[int]
     engine: RunEngine
     current: Path
+    environment: RunEnvironment = dataclasses.field(default_factory=RunEnvironment)
     produced: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -63,6 +65,11 @@ class PipelineContext:
     @property
     def device(self) -> torch.device:
         return self.run.device
+
+    @property
+    def success_threshold(self) -> float:
+        """The reward a success reaches (RCTP's high label): BFCL's 1, else env.success_threshold."""
+        return 1.0 if self.environment.is_bfcl else self.environment.tool_env.success_threshold
 
     @property
     def vocab_size(self) -> int:
@@ -111,13 +118,13 @@ class RctpDataStage(Stage):
             records = load_records(section.data_file, context.vocab_size)
         elif not rctp_data_needs_engine(section):
             records = build_rctp(None, context.entries, tokenizer, settings, section,
-                                 cfg.data.seed) if distributed.is_main() else []
+                                 cfg.data.seed, context.success_threshold) if distributed.is_main() else []
         else:
             # Every rank starts its engine (vLLM's process groups form
             # collectively); rank 0 alone builds the set, the others wait.
             with context.engine.phase(context.current) as live:
                 records = build_rctp(live, context.entries, tokenizer, settings, section,
-                                     cfg.data.seed) if distributed.is_main() else []
+                                     cfg.data.seed, context.success_threshold) if distributed.is_main() else []
         if distributed.is_main():
             data_path = context.folder.rctp_data
             save_records(records, data_path)
@@ -139,7 +146,8 @@ def rctp_trajectories(section, context: PipelineContext) -> tuple[list, list]:
 
 def expert_trajectories(section, context: PipelineContext) -> tuple[list, list]:
     """SFT trains on the expert trajectories alone, untagged."""
-    records = expert_records(context.entries, context.tokenizer, rollout_settings(context.cfg, "sft"), tagged=False)
+    records = expert_records(context.entries, context.tokenizer, rollout_settings(context.cfg, "sft"), tagged=False,
+                             threshold=context.success_threshold)
     return [r.trajectory() for r in records], []
 
 
@@ -174,19 +182,24 @@ class RlStage(Stage):
 
 
 class EvalStage(Stage):
-    """BFCL accuracy of the current policy, per category (eval.json /
-    eval.md, printed). Run again on every invocation that names it."""
+    """Accuracy of the current policy, per category (BFCL: the official
+    verdict; another environment: reward >= env.success_threshold), in
+    eval.json / eval.md, printed. Run again on every invocation that names it."""
 
     section, trains, marks_done = "eval", False, False
 
     def run(self, section, context: PipelineContext) -> None:
-        entries = select_entries(section.split, section.categories, section.subset)
+        if context.environment.is_bfcl:
+            entries = select_entries(section.split, section.categories, section.subset)
+        else:
+            entries = tool_evaluation_tasks(context.environment, section.subset)
         # Rank 0 evaluates; the other ranks only hold their engines alongside.
         with context.engine.phase(context.current) as live:
             result = evaluate(live, context.tokenizer, entries, section.conditioning,
                               rollout_settings(context.cfg, self.name)) if distributed.is_main() else None
         if result is not None:
-            _, md_path = write_eval(result, context.folder.path, context.cfg.run.pipeline)
+            _, md_path = write_eval(result, context.folder.path, context.cfg.run.pipeline,
+                                    context.environment.description)
             print(md_path.read_text())
             context.produced.append(str(md_path))
 

@@ -1,4 +1,5 @@
-"""Many multi-turn BFCL episodes at once, token-in / token-out.
+"""Many multi-turn episodes at once (BFCL's, or any environment's under the
+TRL contract: rcgrpo.envs.episode), token-in / token-out.
 
 Each conversation is a growing list of token ids. The engine's sampled ids are
 appended as they are (sampled mask 1); tool results and the next turn's user
@@ -16,6 +17,7 @@ from typing import Callable, Sequence
 
 from rcgrpo.conditioning.prompts import ChatTokens, initial_messages
 from rcgrpo.conditioning.reward_tokens import Conditioning, DrawPerRollout, rollout_tokens
+from rcgrpo.envs.episode import new_episode
 from rcgrpo.rollout.engine import Engine, SamplingConfig, check_generations
 from rcgrpo.run.metrics import progress
 
@@ -90,7 +92,8 @@ class _Conversation:
             # Cut by the context limit, not by the model: not a reply to execute.
             self.ep.finish("max_length")
             return
-        res = self.ep.step(text)
+        step_reply = getattr(self.ep, "step_reply", None)  # a parser that may read the ids (rcgrpo.envs.tool_env)
+        res = step_reply(ids, text, self.r.token_ids) if step_reply is not None else self.ep.step(text)
         if self.ep.done:
             return
         new = res.tool_messages if not res.turn_ended else self.ep.turn_messages()
@@ -127,25 +130,25 @@ def run_episodes(
     every rollout on it; a list gives one token (or None) per rollout.
     """
     cfg = config or RolloutConfig()
-    if episode_factory is None:
-        from rcgrpo.envs.bfcl import Episode as episode_factory
-    chat = ChatTokens(tokenizer)
     rng = random.Random(cfg.seed)
     tokens = rollout_tokens(reward_tokens, len(entries) * group_size, rng)
-    convs = _start_conversations(entries, group_size, tokens, episode_factory, chat, cfg)
+    convs = _start_conversations(entries, group_size, tokens, episode_factory or new_episode, tokenizer, cfg)
     _play(engine, convs, cfg)
     return [c.close() for c in convs]
 
 
 def _start_conversations(entries: Sequence, group_size: int, tokens: Sequence[str | None],
-                         episode_factory: Callable, chat: ChatTokens, cfg: RolloutConfig) -> list[_Conversation]:
+                         episode_factory: Callable, tokenizer, cfg: RolloutConfig) -> list[_Conversation]:
     """One conversation per rollout, entry by entry, each at its prompt
-    (conditioned on `tokens[j]`, rollout j's reward token)."""
+    (conditioned on `tokens[j]`, rollout j's reward token). The group is the
+    entry's position in the call: the task's identity, never its prompt's
+    tokens (which differ between rollouts of different tags)."""
     convs: list[_Conversation] = []
     for g, entry in enumerate(entries):
         for k in range(group_size):
             j = g * group_size + k
             ep = episode_factory(entry)
+            chat = ChatTokens(tokenizer, tools=getattr(ep, "template_tools", None))
             messages = initial_messages(ep, tokens[j], cfg.doc_style)
             ids = chat.prompt_ids(messages)
             r = Rollout(entry.id, g, tokens[j], ids, [0] * len(ids), [0.0] * len(ids), len(ids), messages=messages)
