@@ -223,7 +223,13 @@ def _setting_sections(resolved: Resolved) -> list[Section]:
 def _size(cfg: Config) -> str:
     """What the run will do, stage by stage, in numbers."""
     d, parts = cfg.data, []
-    if d.entry_ids is not None:
+    bfcl = cfg.env.name == "bfcl"
+    if not bfcl:
+        where = cfg.env.dataset or f"the {cfg.env.name} environment's train split"
+        subset = f"{d.train_subset} (a seeded subset) of " if d.train_subset is not None else ""
+        parts.append(f"environment {cfg.env.name}: {subset}the training tasks of {where} (data.entry_ids, "
+                     "data.categories are BFCL's, not used)")
+    elif d.entry_ids is not None:
         parts.append(f"training entries {','.join(d.entry_ids)} (data.entry_ids)")
     elif d.train_subset is not None:
         parts.append(f"{d.train_subset} training entries of {','.join(d.categories)} (a seeded subset)")
@@ -240,7 +246,9 @@ def _size(cfg: Config) -> str:
             e = cfg.eval
             count = (f"{e.subset} {e.split} {'entry' if e.subset == 1 else 'entries'} per category"
                      if e.subset is not None else f"every {e.split} entry")
-            parts.append(f"eval {count} of {','.join(e.categories)}")
+            parts.append(f"eval {count} of {','.join(e.categories)}" if bfcl else
+                         f"eval {e.subset if e.subset is not None else 'every'} task(s) per category of "
+                         f"{cfg.env.eval_dataset or 'the environment test split'}")
     return "; ".join(parts)
 
 

@@ -231,6 +231,10 @@ class RctpConfig(SftConfig):
         "reference", f"where experts come from, one of {EXPERT_SOURCES}: the ground truth / the data set's completion "
         "column (reference), or the starting model's rollouts that succeed (reward >= env.success_threshold; the "
         "paper's way), failures then being its rollouts that do not; 1:1 either way", choices=EXPERT_SOURCES)
+    expert_model: Optional[str] = _f(
+        None, "expert_source rollouts: a stronger model (folder or hub id) whose successful rollouts are the experts, "
+        "played with the transformers engine and replayed as text under the policy's template; none = the starting "
+        "model's own")
     steer_every: int = _f(
         1, "RCTP steps between measurements of the steer (how much more likely the expert's token is under the "
         "high tag than the low at each pair's first divergent token; also at step 0); 0 = off", resume_safe=True,

@@ -191,6 +191,8 @@ def _env_rules(cfg: Config) -> Iterator[str]:
                "module:attr naming an environment_factory")
     if env.reward_range is not None and (len(env.reward_range) != 2 or env.reward_range[0] >= env.reward_range[1]):
         yield f"env.reward_range must be [low, high] with low < high, got {env.reward_range}"
+    if cfg.rctp.expert_model is not None and cfg.rctp.expert_source != "rollouts":
+        yield "rctp.expert_model names a model whose rollouts are the experts: it needs rctp.expert_source rollouts"
     if env.name == BFCL and (env.tools or env.reward_funcs or env.dataset or env.eval_dataset):
         yield "env.tools, env.reward_funcs, env.dataset and env.eval_dataset need an environment other than bfcl"
 

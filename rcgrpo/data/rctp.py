@@ -132,11 +132,32 @@ def failure_records(engine, entries: Sequence, tokenizer, config: RolloutConfig,
     return _spread(candidates)[:needed]
 
 
+def replayed_experts(engine, engine_tokenizer, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int,
+                     threshold: float) -> list[Record]:
+    """A stronger model's successful rollouts as experts of the policy: played
+    under its own tokenizer and template, their reply texts replayed through
+    the policy's (demonstrations, like references: the policy never sampled
+    them), kept when the replay succeeds too."""
+    by_id = {e.id: e for e in entries}
+    out = []
+    for r in run_episodes(engine, engine_tokenizer, list(entries), group_size=attempts, config=config,
+                          reward_tokens=None):
+        if r.reward < threshold:
+            continue
+        replies = [m["content"] for m in r.messages if m["role"] == "assistant"]  # its replies, in order
+        replay = play_script(by_id[r.entry_id], tokenizer, replies, demonstration_config(config))
+        if replay.reward >= threshold:
+            out.append(_labelled(replay, by_id[r.entry_id], tokenizer, "expert", config.doc_style, True, threshold))
+    return out
+
+
 def rollout_records(engine, entries: Sequence, tokenizer, config: RolloutConfig, attempts: int,
-                    threshold: float) -> tuple[list[Record], list[Record]]:
+                    threshold: float, experts_from=None) -> tuple[list[Record], list[Record]]:
     """The paper's way: the starting model's rollouts, labelled by the reward
     (success iff reward >= `threshold`), as (experts, failures), 1:1: as many
-    of each as the scarcer kind has, spread over entries."""
+    of each as the scarcer kind has, spread over entries. `experts_from`: a
+    stronger model's (engine, tokenizer), whose successes are the experts
+    instead (`replayed_experts`)."""
     rollouts = run_episodes(engine, tokenizer, list(entries), group_size=attempts, config=config, reward_tokens=None)
     by_id = {e.id: e for e in entries}
     experts, failures = [], []
@@ -144,8 +165,11 @@ def rollout_records(engine, entries: Sequence, tokenizer, config: RolloutConfig,
         kind = "expert" if r.reward >= threshold else "failure"
         record = _labelled(r, by_id[r.entry_id], tokenizer, kind, config.doc_style, True, threshold)
         (experts if kind == "expert" else failures).append(record)
+    if experts_from is not None:
+        experts = replayed_experts(*experts_from, entries, tokenizer, config, attempts, threshold)
     n = min(len(experts), len(failures))
-    log_line(f"[rctp-data] {len(rollouts)} rollouts of the starting model: {len(experts)} succeed, "
+    source = "the expert model's successes" if experts_from is not None else "succeed"
+    log_line(f"[rctp-data] {len(rollouts)} rollouts of the starting model: {len(experts)} {source}, "
              f"{len(failures)} fail; {n} of each kept (1:1)")
     return _spread(experts)[:n], _spread(failures)[:n]
 
@@ -175,7 +199,7 @@ def near_miss_records(entries: Sequence, tokenizer, config: RolloutConfig, neede
 
 
 def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, rctp, seed: int,
-               threshold: float = 1.0) -> list[Record]:
+               threshold: float = 1.0, experts_from=None) -> list[Record]:
     """Expert + failure records, `rctp.failure_ratio` failures per expert (the
     paper: 1:1), labelled high iff reward >= `threshold` (env.success_threshold).
     Experts from `rctp.expert_source`: the references (ground truth, a data
@@ -184,10 +208,10 @@ def build_rctp(engine, entries: Sequence, tokenizer, config: RolloutConfig, rctp
     `rctp.failure_source` (rcgrpo.config.schema, FAILURE_SOURCES). `rctp` is
     the config's RctpConfig. With `rctp.fill_with_perturbed`, rollout sources
     short of failures are topped up with near misses, entries without a
-    failure first."""
+    failure first. `experts_from`: (engine, tokenizer) of `rctp.expert_model`."""
     if rctp.expert_source == "rollouts":
         experts, failures = rollout_records(engine, entries, tokenizer, config, max(rctp.failure_attempts, 1),
-                                            threshold)
+                                            threshold, experts_from)
         if not experts:
             raise RctpDataError("rctp.expert_source rollouts: no rollout of the starting model succeeded, so RCTP "
                                 "has no expert; raise rctp.failure_attempts or use references")

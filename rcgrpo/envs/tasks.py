@@ -101,11 +101,26 @@ def read_rows(source: Any, label: str) -> list[dict]:
         return rows
     to_list = getattr(source, "to_list", None)
     if callable(to_list):  # datasets.Dataset
-        return list(to_list())
+        return [_without_arrow_fill(row) for row in to_list()]
     if isinstance(source, (list, tuple)):
         return list(source)
     raise TaskDataError(f"{label}: expected a datasets.Dataset, a .jsonl path or a list of dicts, "
                         f"got {type(source).__name__}")
+
+
+def _without_arrow_fill(row: dict) -> dict:
+    """A Dataset row's reference as written: Arrow gives every tool call the
+    union of all calls' argument names, the absent ones None; those are
+    dropped (an argument written as null is indistinguishable there)."""
+    completion = row.get("completion")
+    if not isinstance(completion, list):
+        return row
+    for message in completion:
+        for call in (message or {}).get("tool_calls") or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), dict):
+                fn["arguments"] = {k: v for k, v in fn["arguments"].items() if v is not None}
+    return row
 
 
 def _message_problem(message: Any, where: str, reference: bool) -> str | None:

@@ -21,6 +21,7 @@ naming the environment and the method; the run goes on.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from rcgrpo.base.errors import UserError
-from rcgrpo.envs.budget import ENV_TIME_LIMIT, EpisodeBudget
+from rcgrpo.envs.budget import CALL_DID_NOT_STOP, ENV_TIME_LIMIT, EpisodeBudget
 from rcgrpo.envs.results import EpisodeResult, StepResult
 from rcgrpo.envs.tasks import Task
 from rcgrpo.envs.tool_calls import ToolCall, ToolCallFormat, tool_call_format
@@ -172,8 +173,6 @@ class ToolEnvironment:
                 fn = call.get("function", call)
                 args = fn.get("arguments") or {}
                 if isinstance(args, str):
-                    import json
-
                     args = json.loads(args) if args.strip() else {}
                 calls.append(ToolCall(fn["name"], dict(args)))
             replies.append((message.get("content") or "", calls))
@@ -223,7 +222,6 @@ class ToolEpisode:
 
     def __init__(self, spec: ToolEnvironment, task: Task):
         self.spec, self.task = spec, task
-        self.entry = task
         self.budget = spec.budget()
         self.steps = 0
         self.tool_steps = 0
@@ -308,7 +306,11 @@ class ToolEpisode:
         if self.tool_steps > self.spec.max_tool_steps:
             self._finish("step_limit")
             return StepResult(calls, [], turn_ended=True, done=True)
-        messages = [self._run(index, call) for index, call in enumerate(calls)]
+        messages = []
+        for index, call in enumerate(calls):
+            if self.done:  # a call failed the rollout (module state): the rest of the reply does not run
+                break
+            messages.append(self._run(index, call))
         self.completion.extend(messages)
         errors = "; ".join(c.error for c in calls if c.error) or None
         if not self.done and self.budget.seconds_left <= 0:
@@ -337,6 +339,8 @@ class ToolEpisode:
         if result.state_changed:
             self._fail(STATE_CHANGED, f"tool {call.name} changed module-level state: "
                        f"{', '.join(result.state_changed)} (put back where it could be)")
+        if result.abandoned:  # it may still change the instance: nothing more of this episode runs
+            self._fail(CALL_DID_NOT_STOP, f"tool {call.name} {result.error}")
         if not result.ok:
             self.tool_errors += 1
             return f"Error: {call.name} {result.error}"

@@ -188,6 +188,7 @@ class CallResult:
     value: Any = None
     error: str | None = None  # one line: what went wrong
     state_changed: tuple[str, ...] = ()  # module globals it changed (put back where possible)
+    abandoned: bool = False  # it did not stop at its bound and still runs on its own thread
 
     @property
     def ok(self) -> bool:
@@ -228,4 +229,5 @@ def bounded_call(fn: Callable, *args, timeout_s: float, guard: ModuleStateGuard 
     if outcome.kind == WorkerOutcome.EXHAUSTED:
         return CallResult(error=f"stopped at the memory bound ({outcome.detail or 'out of memory'})",
                           state_changed=changed)
-    return CallResult(error=f"{outcome.kind}: {outcome.detail}", state_changed=changed)
+    # WORKER_FAILED: stuck in one native operation (or swallowing the stop), left to finish on its own.
+    return CallResult(error=f"was abandoned still running: {outcome.detail}", state_changed=changed, abandoned=True)

@@ -21,11 +21,13 @@ from rcgrpo.config import Config
 from rcgrpo.data.divergence import divergences
 from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
 from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
+from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
 from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.pipeline.engine import RunEngine
 from rcgrpo.pipeline.environment import RunEnvironment, tool_evaluation_tasks
 from rcgrpo.pipeline.prepare import rctp_data_needs_engine
 from rcgrpo.pipeline.push import push_finished_stage
+from rcgrpo.rollout import make_engine
 from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.metrics import log_line
 from rcgrpo.training.context import RunContext, rollout_settings
@@ -122,9 +124,10 @@ class RctpDataStage(Stage):
         else:
             # Every rank starts its engine (vLLM's process groups form
             # collectively); rank 0 alone builds the set, the others wait.
+            experts_from = expert_model_engine(section, context) if distributed.is_main() else None
             with context.engine.phase(context.current) as live:
-                records = build_rctp(live, context.entries, tokenizer, settings, section,
-                                     cfg.data.seed, context.success_threshold) if distributed.is_main() else []
+                records = build_rctp(live, context.entries, tokenizer, settings, section, cfg.data.seed,
+                                     context.success_threshold, experts_from) if distributed.is_main() else []
         if distributed.is_main():
             data_path = context.folder.rctp_data
             save_records(records, data_path)
@@ -132,6 +135,16 @@ class RctpDataStage(Stage):
             log_line(f"[{self.name}] {summary(records)} -> {data_path}")
             context.produced.append(f"{data_path} ({len(records)} records)")
         distributed.barrier()
+
+
+def expert_model_engine(section, context: PipelineContext):
+    """(engine, tokenizer) of `rctp.expert_model`, the stronger model whose
+    successes are the experts, or None. The transformers engine: the run's
+    vLLM engine is the policy's, and a second one may not share its process."""
+    if section.expert_source != "rollouts" or not section.expert_model:
+        return None
+    folder = resolve_model_folder(section.expert_model)
+    return make_engine("hf", folder), load_tokenizer(folder)
 
 
 def rctp_trajectories(section, context: PipelineContext) -> tuple[list, list]:

@@ -88,3 +88,19 @@ def test_a_subset_is_seeded_and_keeps_the_order():
     assert chosen == sample_tasks(tasks, 5, seed=3) and len(chosen) == 5
     assert [t.row_number for t in chosen] == sorted(t.row_number for t in chosen)
     assert sample_tasks(tasks, None, seed=3) == tasks
+
+
+def test_a_datasets_reference_keeps_its_arguments():
+    # Arrow stores every call's arguments as one struct: a call gets the other calls' names too, as None.
+    datasets = require("datasets", "dev")
+
+    def reference(name, arguments):
+        return [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {"role": "assistant", "content": "done"}]
+
+    rows = [{"prompt": "a", "completion": reference("calculator", {"expression": "1+1"})},
+            {"prompt": "b", "completion": reference("submit_answer", {"answer": "2"})}]
+    tasks = load_tasks(datasets.Dataset.from_list(rows), None, "train_dataset")
+    assert [t.reference[0]["tool_calls"][0]["function"]["arguments"] for t in tasks] == [
+        {"expression": "1+1"}, {"answer": "2"}]

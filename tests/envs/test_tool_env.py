@@ -60,6 +60,19 @@ class Misbehaving(Counter):
         while True:
             pass
 
+    def doze(self) -> str:
+        """Sleep in one native call, past every bound."""
+        time.sleep(20)
+        return "late"
+
+    async def fetch(self, key: str) -> str:
+        """An async tool (TRL accepts them).
+
+        Args:
+            key: what to fetch
+        """
+        return f"value of {key}"
+
     def flood(self) -> str:
         """Return megabytes."""
         return "x" * 5_000_000
@@ -139,6 +152,20 @@ def test_a_tool_that_fails_is_an_error_result(tokenizer, tool, expect):
     texts = [m["content"] for m in r.messages if m["role"] == "tool"]
     assert expect in texts[0]
     assert texts[1] == "total=5" and r.reward == 1.0  # the episode goes on after it
+
+
+def test_a_tool_stuck_in_native_code_is_abandoned_and_ends_its_rollout(tokenizer, caplog):
+    env = environment(tokenizer, factory=Misbehaving, call_timeout_s=0.5)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="rcgrpo.envs"):
+        r = play(env, [call("doze"), call("add", amount=5), "done"])
+    assert time.monotonic() - started < 15  # the bound plus the stop's grace, not the 20 s sleep
+    assert (r.reward, r.end_reason) == (0.0, "call_did_not_stop") and "abandoned still running" in caplog.text
+
+
+def test_an_async_tool_runs(tokenizer):
+    r = play(environment(tokenizer, factory=Misbehaving), [call("fetch", key="k"), "done"])
+    assert [m["content"] for m in r.messages if m["role"] == "tool"] == ["value of k"]
 
 
 def test_a_flooding_tool_is_clipped(tokenizer):
