@@ -29,7 +29,7 @@ from rcgrpo.config.io import apply_settings
 from rcgrpo.config.presets import DEFAULT_PRESET, PRESETS
 from rcgrpo.config.schema import ConfigError
 from rcgrpo.config.validation import finalize
-from rcgrpo.pipeline.environment import UserEnvironment
+from rcgrpo.pipeline.environment import PYTHON_PREFIX, UserEnvironment
 from rcgrpo.pipeline.prepare import pick_device
 
 __all__ = ["RCGRPOConfig", "RCGRPOTrainer"]
@@ -74,6 +74,9 @@ class RCGRPOTrainer:
         if environment_factory is not None or tools or reward_funcs or train_dataset is not None:
             self.environment = UserEnvironment(environment_factory, list(tools or []), list(reward_funcs or []),
                                                reward_weights, train_dataset, eval_dataset)
+            # The run's config.toml records what it played (a name, not something to import).
+            apply_settings(self.args, {"env": {"name": PYTHON_PREFIX + self.environment.name}},
+                           "RCGRPOTrainer(environment_factory=...)")
 
     def train(self) -> Path:
         """Run the pipeline (resumable with args.run.resume); the run folder."""

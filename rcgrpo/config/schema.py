@@ -152,7 +152,8 @@ class EnvConfig:
     name: str = _f(
         BFCL, f"{BFCL} (BFCL v4 multi-turn), a shipped environment ({', '.join(SHIPPED_ENVIRONMENTS)}), or "
         "module:attr naming an environment_factory in TRL's contract (a class whose instances have reset(**row) "
-        "and tools as public methods, optionally get_reward())")
+        "and tools as public methods, optionally get_reward()); python:NAME records objects the Python trainer "
+        "was given")
     dataset: Optional[str] = _f(
         None, "training tasks: a .jsonl file of rows with a prompt column (text or messages) and any columns; none "
         "= the environment's own (BFCL's training split, a shipped environment's train split)")

@@ -186,7 +186,7 @@ def _missing_files(cfg: Config) -> Iterator[str]:
 
 def _env_rules(cfg: Config) -> Iterator[str]:
     env = cfg.env
-    if env.name != BFCL and env.name not in SHIPPED_ENVIRONMENTS and ":" not in env.name:
+    if env.name != BFCL and env.name not in SHIPPED_ENVIRONMENTS and ":" not in env.name:  # python:NAME too
         yield (f"env.name {env.name!r}: {BFCL}, one of the shipped environments {list(SHIPPED_ENVIRONMENTS)}, or "
                "module:attr naming an environment_factory")
     if env.reward_range is not None and (len(env.reward_range) != 2 or env.reward_range[0] >= env.reward_range[1]):

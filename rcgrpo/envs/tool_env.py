@@ -99,7 +99,7 @@ class ToolEnvironment:
             self.name = _name_of(self.environment_factory) if self.environment_factory else "tools"
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise EnvironmentContractError(f"{len(self.reward_weights)} reward weights for {len(self.reward_funcs)} "
-                                    "reward functions")
+                                           "reward functions")
         self.has_env_reward = False
         self.specs = self._probe()
 
@@ -112,15 +112,15 @@ class ToolEnvironment:
                 instance = self.environment_factory()
             except Exception as exc:
                 raise EnvironmentContractError(f"environment {self.name}: environment_factory() raised "
-                                        f"{type(exc).__name__}: {exc}") from None
+                                               f"{type(exc).__name__}: {exc}") from None
             if not callable(getattr(instance, "reset", None)):
                 raise EnvironmentContractError(f"environment {self.name}: its instances need a callable reset(**row) "
-                                        "(TRL's environment contract)")
+                                               "(TRL's environment contract)")
             self.has_env_reward = callable(getattr(type(instance), "get_reward", None))
             functions += environment_methods(instance)
         if not self.reward_funcs and not self.has_env_reward:
             raise EnvironmentContractError(f"environment {self.name}: no reward source: pass reward_funcs, or an "
-                                    "environment whose instances define get_reward()")
+                                           "environment whose instances define get_reward()")
         specs = {}
         for fn in functions:
             try:
@@ -134,7 +134,7 @@ class ToolEnvironment:
             low, high = self.reward_range
             if not (math.isfinite(low) and math.isfinite(high) and low < high):
                 raise EnvironmentContractError(f"environment {self.name}: reward_range {self.reward_range} is not "
-                                        "[low, high] with low < high")
+                                               "[low, high] with low < high")
         return specs
 
     @property

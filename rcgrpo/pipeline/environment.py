@@ -26,6 +26,9 @@ from rcgrpo.envs.shipped import SHIPPED_ENVIRONMENTS, shipped_module
 from rcgrpo.envs.tasks import Task, TaskDataError, load_tasks, sample_tasks
 from rcgrpo.envs.tool_env import ToolEnvironment
 
+# env.name of a run whose environment the Python trainer was given as objects (recorded, not importable).
+PYTHON_PREFIX = "python:"
+
 
 @dataclass
 class UserEnvironment:
@@ -37,6 +40,12 @@ class UserEnvironment:
     reward_weights: Sequence[float] | None = None
     train_dataset: Any = None
     eval_dataset: Any = None
+
+    @property
+    def name(self) -> str:
+        """The factory's (else the first tool's) qualified name: what the run records as env.name."""
+        named = self.environment_factory or next(iter(self.tools), None)
+        return getattr(named, "__qualname__", None) or "tools"
 
 
 @dataclass
@@ -87,14 +96,17 @@ def run_environment(cfg: Config, given: UserEnvironment | None = None) -> RunEnv
     """The run's environment (no model loaded; the tool format is chosen at `bind`)."""
     e = cfg.env
     if given is not None:
-        name = getattr(given.environment_factory, "__qualname__", None) or "tools"
+        name = given.name
         env = _tool_environment(cfg, given.environment_factory, given.tools, given.reward_funcs,
                                 given.reward_weights, name)
         return RunEnvironment(env, given.train_dataset if given.train_dataset is not None else e.dataset,
                               given.eval_dataset if given.eval_dataset is not None else e.eval_dataset,
-                              f"python:{name}")
+                              PYTHON_PREFIX + name)
     if e.name == BFCL:
         return RunEnvironment()
+    if e.name.startswith(PYTHON_PREFIX):
+        raise UserError(f"env.name {e.name}: an environment the Python trainer was given as objects; run it with "
+                        "RCGRPOTrainer(..., environment_factory=...) again (or name it as module:attr)")
     tools = [import_object(t, "env.tools") for t in e.tools or []]
     rewards = [import_object(r, "env.reward_funcs") for r in e.reward_funcs or []]
     if e.name in SHIPPED_ENVIRONMENTS:

@@ -114,3 +114,6 @@ def test_python_settings_are_checked_as_the_command_line_checks_them():
                             train_dataset=[row(1, [{"amount": 1}])])
     assert trainer.args.model.name_or_path == "embedded:smollm2-135m-instruct"
     assert trainer.environment.environment_factory is Counter
+    assert trainer.args.env.name == "python:Counter"  # config.toml records what the run played
+    with pytest.raises(UserError, match="the Python trainer was given as objects"):
+        run_environment(trainer.args)  # a saved run's name is not something to import
