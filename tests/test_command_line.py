@@ -48,7 +48,7 @@ def test_help_shows_a_bare_runs_values_and_the_preset_that_set_them(capsys, monk
     assert "python -m rcgrpo.config" in out and "--print-config" in out
     titles = [line for line in out.splitlines() if re.fullmatch(r"[a-z][a-z.]*:", line)]
     assert titles[:2] == ["command:", "shortcuts:"]
-    assert titles[2:] == ["model:", "model.lora:", "data:", "rctp:", "sft:", "grpo:", "eval:", "run:"]
+    assert titles[2:] == ["model:", "model.lora:", "env:", "data:", "rctp:", "sft:", "grpo:", "eval:", "run:"]
     # Wrapped to the terminal: only a line of one unbreakable word may be longer.
     assert all(len(line) <= 88 or " " not in line.strip() for line in out.splitlines()[1:]), out
     # After other flags, the help shows what they give.

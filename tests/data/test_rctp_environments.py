@@ -13,6 +13,7 @@ from rcgrpo.data.rctp import RctpDataError, build_rctp
 from rcgrpo.envs.tasks import load_tasks
 from rcgrpo.envs.tool_env import ToolEnvironment
 from rcgrpo.rollout.agent_loop import RolloutConfig
+from tests.required import require
 
 CONFIG = RolloutConfig(progress=False, max_new_tokens=128, max_total_tokens=4096)
 
@@ -121,7 +122,7 @@ def test_rollouts_labelled_by_the_reward_kept_one_to_one(tokenizer):
 def test_a_stronger_models_successes_are_replayed_under_the_policys_template(tokenizer):
     from pathlib import Path
 
-    trl = pytest.importorskip("trl")
+    trl = require("trl", "trl")
     stronger = copy.deepcopy(tokenizer)  # another template: Qwen2.5's (TRL's copy), tools rendered by it
     stronger.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
     env = ToolEnvironment(environment_factory=Steps).bind(tokenizer)
