@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -219,8 +220,6 @@ def load_tasks(source: Any, environment, label: str) -> list[Task]:
 
 def sample_tasks(tasks: Sequence[Task], n: int | None, seed: int) -> list[Task]:
     """A seeded choice of `n` tasks in their original order (all when n is None or too large)."""
-    import random
-
     if n is None or n >= len(tasks):
         return list(tasks)
     keep = sorted(random.Random(seed).sample(range(len(tasks)), n))

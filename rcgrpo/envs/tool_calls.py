@@ -62,8 +62,8 @@ class ParsedReply:
     calls: list[ToolCall]
 
 
-def _call_from_object(obj: Any) -> ToolCall:
-    """A ToolCall from a decoded JSON object or a parser's dict: {"name", "arguments"}
+def read_call(obj: Any) -> ToolCall:
+    """A ToolCall from a decoded JSON object, a parser's dict or a reference's `tool_calls` item: {"name", "arguments"}
     (OpenAI's {"function": {...}} nesting and Llama's "parameters" accepted)."""
     if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
         obj = obj["function"]
@@ -92,7 +92,7 @@ def parse_tagged(text: str) -> ParsedReply:
     for match in _TAGGED.finditer(text):
         body = match.group(1).strip()
         try:
-            calls.append(_call_from_object(json.loads(body)))
+            calls.append(read_call(json.loads(body)))
         except ValueError as exc:
             calls.append(ToolCall("?", error=f"the tool call is not valid JSON ({exc}): {body[:200]!r}"))
     return ParsedReply(_TAGGED.sub("", text).strip(), calls)
@@ -173,7 +173,7 @@ class TemplateFormat(ToolCallFormat):
             except Exception:  # transformers' parser refuses malformed calls; read them ourselves to say why
                 parsed = None
             if isinstance(parsed, dict):
-                calls = [_call_from_object(c) for c in parsed.get("tool_calls") or []]
+                calls = [read_call(c) for c in parsed.get("tool_calls") or []]
                 content = parsed.get("content") or ""
                 # The parser's reading stands unless it missed calls the text plainly opens.
                 if calls or CALL_OPEN not in text:

@@ -21,7 +21,6 @@ naming the environment and the method; the run goes on.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -33,7 +32,7 @@ from rcgrpo.base.errors import UserError
 from rcgrpo.envs.budget import CALL_DID_NOT_STOP, ENV_TIME_LIMIT, EpisodeBudget
 from rcgrpo.envs.results import EpisodeResult, StepResult
 from rcgrpo.envs.tasks import Task
-from rcgrpo.envs.tool_calls import ToolCall, ToolCallFormat, tool_call_format
+from rcgrpo.envs.tool_calls import ToolCall, ToolCallFormat, read_call, tool_call_format
 from rcgrpo.envs.tools import (
     CallResult,
     ModuleStateGuard,
@@ -168,13 +167,7 @@ class ToolEnvironment:
         for message in reference:
             if message.get("role") != "assistant":
                 continue
-            calls = []
-            for call in message.get("tool_calls") or []:
-                fn = call.get("function", call)
-                args = fn.get("arguments") or {}
-                if isinstance(args, str):
-                    args = json.loads(args) if args.strip() else {}
-                calls.append(ToolCall(fn["name"], dict(args)))
+            calls = [read_call(call) for call in message.get("tool_calls") or []]
             replies.append((message.get("content") or "", calls))
         return replies
 
@@ -330,7 +323,7 @@ class ToolEpisode:
         fn = self._tools.get(call.name)
         problem = (refused or call.error
                    or (f"unknown tool {call.name!r}; the tools are {sorted(self._tools)}" if fn is None else None)
-                   or argument_problem(self.spec.specs.get(call.name) or ToolSpec.of(fn), fn, call.arguments))
+                   or argument_problem(self.spec.specs[call.name], fn, call.arguments))
         if problem:
             self.tool_errors += 1
             return f"Error: {problem}"

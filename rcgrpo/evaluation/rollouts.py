@@ -20,9 +20,13 @@ def select_entries(split: str, categories: Sequence[str], subset: int | None) ->
     """The split's entries of `categories`; `subset` keeps the first n of
     each category (a stable choice: the split's order)."""
     train, test = split_train_test(load_entries(categories))
-    pool = {"train": train, "test": test}[split]
+    return first_of_each_category({"train": train, "test": test}[split], subset)
+
+
+def first_of_each_category(pool: Sequence, subset: int | None) -> list:
+    """The first `subset` items of each `category` in `pool`, in its order (all when None)."""
     if subset is None:
-        return pool
+        return list(pool)
     out, taken = [], defaultdict(int)
     for e in pool:
         if taken[e.category] < subset:

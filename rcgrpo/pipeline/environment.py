@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rcgrpo.base.errors import UserError
@@ -24,7 +24,8 @@ from rcgrpo.config import Config
 from rcgrpo.config.schema import BFCL
 from rcgrpo.envs.shipped import SHIPPED_ENVIRONMENTS, shipped_module
 from rcgrpo.envs.tasks import Task, TaskDataError, load_tasks, sample_tasks
-from rcgrpo.envs.tool_env import ToolEnvironment
+from rcgrpo.envs.tool_env import ToolEnvironment, ToolEpisode
+from rcgrpo.evaluation.rollouts import first_of_each_category
 
 # env.name of a run whose environment the Python trainer was given as objects (recorded, not importable).
 PYTHON_PREFIX = "python:"
@@ -57,7 +58,7 @@ class RunEnvironment:
     train_source: Any = None
     eval_source: Any = None
     description: str = BFCL
-    extras: dict = field(default_factory=dict)
+    eval_tasks: list | None = None  # checked and kept by rcgrpo.pipeline.prepare when the run evaluates
 
     @property
     def is_bfcl(self) -> bool:
@@ -120,13 +121,14 @@ def run_environment(cfg: Config, given: UserEnvironment | None = None) -> RunEnv
     return RunEnvironment(env, e.dataset, e.eval_dataset, e.name)
 
 
-def reference_problem(env: ToolEnvironment, task: Task) -> str | None:
+def reference_problem(env: ToolEnvironment, task: Task, episode: ToolEpisode | None = None) -> str | None:
     """Why a task's reference trajectory cannot be an expert: a call it makes
-    fails, or it does not earn the success threshold (None: it is fine)."""
+    fails, or it does not earn the success threshold (None: it is fine).
+    `episode`: a fresh, unplayed episode of the task to replay it in."""
     replies = env.reference_calls(task)
     if replies is None:
         return None
-    episode = env.episode(task)
+    episode = episode or env.episode(task)
     for content, calls in replies:
         if episode.done:
             break
@@ -153,17 +155,18 @@ def tool_training_tasks(cfg: Config, tokenizer, run_env: RunEnvironment) -> list
                          cfg.data.train_subset, cfg.data.seed)
     fitting = []
     for task in tasks:
+        # One fresh episode: its opening prompt is measured, then the reference replayed in it.
         episode = task.new_episode()
         chat = ChatTokens(tokenizer, tools=episode.template_tools)
-        if len(chat.prompt_ids(initial_messages(episode, None))) <= cfg.data.max_prompt_tokens:
-            fitting.append(task)
+        if len(chat.prompt_ids(initial_messages(episode, None))) > cfg.data.max_prompt_tokens:
+            continue
+        problem = reference_problem(run_env.tool_env, task, episode)
+        if problem:
+            raise TaskDataError(f"train_dataset row {task.row_number} (id {task.id!r}): {problem}")
+        fitting.append(task)
     if not fitting:
         raise UserError(f"train_dataset: no task has a prompt under data.max_prompt_tokens="
                         f"{cfg.data.max_prompt_tokens}")
-    for task in fitting:
-        problem = reference_problem(run_env.tool_env, task)
-        if problem:
-            raise TaskDataError(f"train_dataset row {task.row_number} (id {task.id!r}): {problem}")
     return fitting
 
 
@@ -172,13 +175,4 @@ def tool_evaluation_tasks(run_env: RunEnvironment, subset: int | None) -> list[T
     if run_env.eval_source is None:
         raise UserError(f"environment {run_env.description}: no evaluation tasks: give an eval_dataset "
                         "(--env.eval_dataset FILE.jsonl), or leave eval out of --stages")
-    tasks = load_tasks(run_env.eval_source, run_env.tool_env, "eval_dataset")
-    if subset is None:
-        return tasks
-    taken: dict[str, int] = {}
-    out = []
-    for task in tasks:
-        if taken.get(task.category, 0) < subset:
-            out.append(task)
-            taken[task.category] = taken.get(task.category, 0) + 1
-    return out
+    return first_of_each_category(load_tasks(run_env.eval_source, run_env.tool_env, "eval_dataset"), subset)

@@ -117,7 +117,8 @@ def prepare(cfg: Config, given: UserEnvironment | None = None) -> Prepared:
     if not environment.is_bfcl:
         environment.tool_env.bind(tokenizer)
         if "eval" in cfg.stages:
-            tool_evaluation_tasks(environment, cfg.eval.subset)  # every row checked now, not after training
+            # Every row checked now, not after training; the eval stage plays these.
+            environment.eval_tasks = tool_evaluation_tasks(environment, cfg.eval.subset)
     entries = training_entries(cfg, tokenizer, environment)
     check_memory_plan(cfg, device, shape, rctp_entries=len(entries))
     check_rctp_data(cfg, vocab_size=len(tokenizer))

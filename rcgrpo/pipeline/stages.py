@@ -205,7 +205,7 @@ class EvalStage(Stage):
         if context.environment.is_bfcl:
             entries = select_entries(section.split, section.categories, section.subset)
         else:
-            entries = tool_evaluation_tasks(context.environment, section.subset)
+            entries = context.environment.eval_tasks or tool_evaluation_tasks(context.environment, section.subset)
         # Rank 0 evaluates; the other ranks only hold their engines alongside.
         with context.engine.phase(context.current) as live:
             result = evaluate(live, context.tokenizer, entries, section.conditioning,
