@@ -31,28 +31,28 @@ def main(rounds: int) -> dict:
     from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
     from rcgrpo.model.policy import TrainablePolicy
     from rcgrpo.training.agreement import Agreement
-    from rcgrpo.training.context import RunContext
     from rcgrpo.training.losses import RLLossSettings
     from rcgrpo.training.rl_update import accumulate_gradients, trainer_logprobs
+    from rcgrpo.training.step_settings import StepSettings
 
     folder = resolve_model_folder(None)
     cfg = parse_args(["--fused", "--run.micro_batch_tokens", "4096", "--run.report_to", "none"],
                      check_files=False)
     tokenizer = load_tokenizer(folder)
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, folder)
+    how = StepSettings.from_config(cfg, torch.device("cpu"))
     policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=False)
     batch = fixed_batch(tokenizer)
     batch = dataclasses.replace(batch, advantages=rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group))
     # Engine log-probs near the trainer's (a realistic bf16-sized mismatch), so TIS weights vary.
-    own = trainer_logprobs(ctx, policy, batch, 1.0)
+    own = trainer_logprobs(policy, batch, how, 1.0)
     noise = 0.05 * torch.randn(own.shape, generator=torch.Generator().manual_seed(0))
     with_engine = dataclasses.replace(batch, engine_logp=torch.where(batch.loss_mask, own + noise,
                                                                      torch.zeros_like(own)))
     settings = RLLossSettings(beta=0.0)
     variants = {
-        "plain": lambda: accumulate_gradients(ctx, policy, batch, settings),
-        "agreement": lambda: accumulate_gradients(ctx, policy, with_engine, settings, agreement=Agreement()),
-        "tis": lambda: accumulate_gradients(ctx, policy, with_engine, settings, tis_cap=2.0, agreement=Agreement()),
+        "plain": lambda: accumulate_gradients(policy, batch, how, settings),
+        "agreement": lambda: accumulate_gradients(policy, with_engine, how, settings, agreement=Agreement()),
+        "tis": lambda: accumulate_gradients(policy, with_engine, how, settings, tis_cap=2.0, agreement=Agreement()),
     }
     policy.train_mode()
     times = {k: [] for k in variants}

@@ -34,10 +34,10 @@ def main(out_dir: str) -> dict:
     from rcgrpo.rollout import make_engine
     from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
     from rcgrpo.rollout.engine import awake
-    from rcgrpo.training.context import RunContext
     from rcgrpo.training.losses import RLLossSettings
     from rcgrpo.training.optimizer import make_optimizer
     from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories
+    from rcgrpo.training.step_settings import StepSettings
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     folder = resolve_model_folder(None)
@@ -48,7 +48,7 @@ def main(out_dir: str) -> dict:
     jobs = work.entries()
     engine = make_engine("vllm", folder, dtype="float32", max_model_len=8192, seed=0, kv_cache_gib=1)
     policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=False)
-    ctx = RunContext(cfg, torch.device("cpu"), tok, folder)
+    how = StepSettings.from_config(cfg, torch.device("cpu"))
     opt, sched = make_optimizer(policy, work.LR, 0.0, work.STEPS, 0.0)
     settings = RLLossSettings(beta=0.0, loss_type="grpo")
     steps = []
@@ -63,7 +63,7 @@ def main(out_dir: str) -> dict:
         rollouts = [dataclasses.replace(r, reward=r.reward + work.tie_break(reply(r))) for r in rollouts]
         t1 = time.perf_counter()
         policy.train_mode()
-        stats = rl_update(ctx, policy, to_trajectories(rollouts), settings, UpdateSettings(), optimizer=opt,
+        stats = rl_update(policy, to_trajectories(rollouts), how, settings, UpdateSettings(), optimizer=opt,
                           scheduler=sched, step=step)
         t2 = time.perf_counter()
         steps.append({"generation_s": t1 - t0, "update_s": t2 - t1, "total_s": t2 - t0,

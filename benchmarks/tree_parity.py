@@ -58,7 +58,7 @@ def one_key_short(layout):
 
 def main(dtype: str, attn: str, cut: int | None, planted: bool) -> dict:
     from rcgrpo.config import parse_args
-    from rcgrpo.model import attention
+    from rcgrpo.model import prefix_sharing
     from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
     from rcgrpo.model.policy import TrainablePolicy
     from rcgrpo.model.prefix_sharing import forwarded_tokens
@@ -70,9 +70,9 @@ def main(dtype: str, attn: str, cut: int | None, planted: bool) -> dict:
     policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=False)
     policy.eval_mode()
     batch = group(load_tokenizer(folder), cut)
-    if planted:
-        layout = attention.shared_prefix_layout
-        attention.shared_prefix_layout = lambda b, **kw: one_key_short(layout(b, **kw)) if kw.get("share", True) \
+    if planted:  # the tree forward's layout (rcgrpo.model.prefix_sharing.prefix_layout builds it there)
+        layout = prefix_sharing.shared_prefix_layout
+        prefix_sharing.shared_prefix_layout = lambda b, **kw: one_key_short(layout(b, **kw)) if kw.get("share", True) \
             else layout(b, **kw)
     t0 = time.perf_counter()
     diff = tree_vs_dense(policy.lm, batch, LOSS_PATHS["fused"])

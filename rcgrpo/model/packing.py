@@ -126,6 +126,11 @@ class PackedBatch:
     ref_logp: Optional[torch.Tensor] = None  # [N] float32, aligned with targets
     policy_version: Optional[torch.Tensor] = None  # [N] int64, aligned with targets, -1 off loss tokens
     advantages: Optional[torch.Tensor] = None  # [S] float32
+    # A micro-batch's shared-prefix layout (rcgrpo.model.prefix_sharing), built
+    # once by rcgrpo.model.micro_batching for every pass over it: the token
+    # counts, the forward and the reference's. `select` and `to` drop it (it
+    # describes these sequences on this device).
+    prefix_layout: Optional[object] = None
 
     @property
     def num_tokens(self) -> int:
@@ -150,7 +155,7 @@ class PackedBatch:
     def to(self, device: torch.device | str) -> "PackedBatch":
         """A copy with every tensor on ``device``."""
         return dataclasses.replace(
-            self,
+            self, prefix_layout=None,
             **{
                 f.name: getattr(self, f.name).to(device)
                 for f in dataclasses.fields(self)

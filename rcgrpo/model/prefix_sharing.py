@@ -35,6 +35,7 @@ one SDPA call per node elsewhere); ``eager`` takes the layout's [M, M] mask.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -42,7 +43,8 @@ import torch
 
 from rcgrpo.model.packing import PackedBatch
 
-__all__ = ["SharedPrefixLayout", "shared_prefix_layout", "common_prefix_length", "forwarded_tokens"]
+__all__ = ["SharedPrefixLayout", "shared_prefix_layout", "prefix_layout", "with_prefix_layout", "common_prefix_length",
+           "forwarded_tokens"]
 
 # Sharing fewer tokens than this is not worth a segment of its own (a row of
 # the visibility table, a pass of the mask build): such a sequence is
@@ -223,9 +225,20 @@ class _PrefixTree:
         )
 
 
+def prefix_layout(batch: PackedBatch) -> SharedPrefixLayout:
+    """`batch`'s shared-prefix layout: the one it carries (a micro-batch's,
+    built once), else built now."""
+    return batch.prefix_layout if batch.prefix_layout is not None else shared_prefix_layout(batch)
+
+
+def with_prefix_layout(batch: PackedBatch) -> PackedBatch:
+    """`batch` carrying its shared-prefix layout (one sequence needs none)."""
+    return batch if batch.num_seqs < 2 else dataclasses.replace(batch, prefix_layout=shared_prefix_layout(batch))
+
+
 def forwarded_tokens(batch: PackedBatch, share_prefixes: bool) -> int:
     """Tokens the decoder computes for `batch` (what
     ``rcgrpo.model.attention.decoder_hidden_states`` forwards)."""
     if not share_prefixes or batch.num_seqs == 1:
         return batch.num_tokens
-    return shared_prefix_layout(batch).num_forwarded
+    return prefix_layout(batch).num_forwarded

@@ -10,9 +10,9 @@ import torch
 from rcgrpo import rollout
 from rcgrpo.base import distributed
 from rcgrpo.config import Config
+from rcgrpo.model.loading import folder_weights
 from rcgrpo.rollout.engine import awake
 from rcgrpo.rollout.vllm_engine import CPU_KV_CACHE_GIB
-from rcgrpo.run.checkpoint import folder_weights
 
 
 class RunEngine:

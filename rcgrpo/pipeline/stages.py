@@ -1,7 +1,8 @@
 """The stages of the paper's pipeline as objects, each with one entry,
 ``run(section, context)``: `section` is the part of the config the stage is
 about (``cfg.rctp``, ``cfg.sft``, ``cfg.grpo``, ``cfg.eval``), `context` what
-the stages of one invocation share and hand on (``PipelineContext``).
+the stages of one invocation share and hand on (``rcgrpo.pipeline.run.Run``).
+Each stage reads the config here, once, into the settings its loop takes.
 ``STAGES`` maps each stage name of ``rcgrpo.base.stages`` to its object.
 
 A stage that trains leaves its policy in ``models/<stage>`` and the context's
@@ -10,84 +11,24 @@ marks itself done (``stages/<stage>.done``) once its outputs are in place.
 """
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
 from typing import Callable
 
-import torch
-
 from rcgrpo.base import distributed
-from rcgrpo.config import Config
+from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD, rl_rollout_conditioning
 from rcgrpo.data.divergence import divergences
 from rcgrpo.data.rctp import build_rctp, expert_records, load_records, save_records, summary
 from rcgrpo.evaluation.rollouts import evaluate, select_entries, write_eval
-from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
-from rcgrpo.model.policy import TrainablePolicy
-from rcgrpo.pipeline.engine import RunEngine
-from rcgrpo.pipeline.environment import RunEnvironment, tool_evaluation_tasks
+from rcgrpo.model.loading import load_tokenizer, resolve_model_folder, reward_token_ids
+from rcgrpo.pipeline.environment import tool_evaluation_tasks
 from rcgrpo.pipeline.prepare import rctp_data_needs_engine
-from rcgrpo.pipeline.push import push_finished_stage
+from rcgrpo.pipeline.run import Run
 from rcgrpo.rollout import make_engine
-from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.metrics import log_line
-from rcgrpo.training.context import RunContext, rollout_settings
-from rcgrpo.training.finetune import finetune
+from rcgrpo.training.finetune import SteerProbe, finetune
+from rcgrpo.training.reward_probe import RewardProbe
 from rcgrpo.training.rl_loop import train_rl
+from rcgrpo.training.rollout_settings import rollout_settings
 from rcgrpo.training.steer import probe_pairs
-
-
-@dataclasses.dataclass
-class PipelineContext:
-    """What the stages of one invocation share: the run (config, device,
-    tokenizer, folder), the training entries, the reward tokens' ids and
-    the one rollout engine; and what they hand on: the policy the next stage
-    starts from (`current`) and what each left, for the run's last line
-    (`produced`)."""
-
-    run: RunContext
-    entries: list
-    token_ids: list[int]
-    engine: RunEngine
-    current: Path
-    environment: RunEnvironment = dataclasses.field(default_factory=RunEnvironment)
-    produced: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def cfg(self) -> Config:
-        return self.run.cfg
-
-    @property
-    def folder(self) -> RunFolder:
-        return self.run.folder
-
-    @property
-    def tokenizer(self):
-        return self.run.tokenizer
-
-    @property
-    def device(self) -> torch.device:
-        return self.run.device
-
-    @property
-    def success_threshold(self) -> float:
-        """The reward a success reaches (RCTP's high label): BFCL's 1, else env.success_threshold."""
-        return 1.0 if self.environment.is_bfcl else self.environment.tool_env.success_threshold
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.run.tokenizer)
-
-    def hand_on(self, stage: str, policy: TrainablePolicy, info: dict) -> None:
-        """A trained stage's last step: its policy exported where the next
-        stage starts, the stage marked done, pushed to the Hub if asked."""
-        self.current = self.run.export_model(stage, policy, start=self.current)
-        self.run.mark_done(stage, info)
-        push_finished_stage(self.cfg, self.run, stage)
-        self.produced.append(str(self.current))
-
-    def load_policy(self, reference: bool) -> TrainablePolicy:
-        return TrainablePolicy.load(self.current, self.cfg.model, self.device, reference=reference,
-                                    token_ids=self.token_ids)
 
 
 class Stage:
@@ -102,7 +43,7 @@ class Stage:
     def __init__(self, name: str):
         self.name = name
 
-    def run(self, section, context: PipelineContext) -> None:
+    def run(self, section, context: Run) -> None:
         raise NotImplementedError
 
 
@@ -113,7 +54,7 @@ class RctpDataStage(Stage):
 
     section, trains = "rctp", False
 
-    def run(self, section, context: PipelineContext) -> None:
+    def run(self, section, context: Run) -> None:
         cfg, tokenizer = context.cfg, context.tokenizer
         settings = rollout_settings(cfg, self.name)
         if section.data_file:
@@ -131,13 +72,13 @@ class RctpDataStage(Stage):
         if distributed.is_main():
             data_path = context.folder.rctp_data
             save_records(records, data_path)
-            context.run.mark_done(self.name, summary(records))
+            context.mark_done(self.name, summary(records))
             log_line(f"[{self.name}] {summary(records)} -> {data_path}")
             context.produced.append(f"{data_path} ({len(records)} records)")
         distributed.barrier()
 
 
-def expert_model_engine(section, context: PipelineContext):
+def expert_model_engine(section, context: Run):
     """(engine, tokenizer) of `rctp.expert_model`, the stronger model whose
     successes are the experts, or None. The transformers engine: the run's
     vLLM engine is the policy's, and a second one may not share its process."""
@@ -147,7 +88,7 @@ def expert_model_engine(section, context: PipelineContext):
     return make_engine("hf", folder), load_tokenizer(folder)
 
 
-def rctp_trajectories(section, context: PipelineContext) -> tuple[list, list]:
+def rctp_trajectories(section, context: Run) -> tuple[list, list]:
     """RCTP trains on the reward-tagged set (the run folder's, else the given
     file) and measures its steer on a sample of the set's divergent pairs."""
     own = context.folder.rctp_data
@@ -157,7 +98,7 @@ def rctp_trajectories(section, context: PipelineContext) -> tuple[list, list]:
     return trajectories, probe_pairs(divergences(records), section.steer_pairs, context.cfg.data.seed)
 
 
-def expert_trajectories(section, context: PipelineContext) -> tuple[list, list]:
+def expert_trajectories(section, context: Run) -> tuple[list, list]:
     """SFT trains on the expert trajectories alone, untagged."""
     records = expert_records(context.entries, context.tokenizer, rollout_settings(context.cfg, "sft"), tagged=False,
                              threshold=context.success_threshold)
@@ -172,11 +113,13 @@ class FinetuneStage(Stage):
         super().__init__(name)
         self.section, self.trajectories = name, trajectories
 
-    def run(self, section, context: PipelineContext) -> None:
+    def run(self, section, context: Run) -> None:
         trajectories, pairs = self.trajectories(section, context)
         policy = context.load_policy(reference=False)
-        finetune(context.run, self.name, policy, trajectories, section,
-                 steer_pairs=pairs, steer_every=context.cfg.rctp.steer_every)
+        tags = reward_token_ids(context.tokenizer)
+        # RCTP's section says how often its steer is measured; SFT has no pairs.
+        steer_probe = SteerProbe(pairs, tags[HIGH_REWARD], tags[LOW_REWARD], section.steer_every) if pairs else None
+        finetune(context, self.name, policy, trajectories, section, context.step_settings(), steer_probe)
         context.hand_on(self.name, policy, {"trajectories": len(trajectories)})
 
 
@@ -185,13 +128,27 @@ class RlStage(Stage):
 
     section = "grpo"
 
-    def run(self, section, context: PipelineContext) -> None:
+    def run(self, section, context: Run) -> None:
         live = context.engine.start(context.current)
         # LoRA: the reference is the same model with its adapters off, not a second copy.
         policy = context.load_policy(reference=section.beta > 0)
-        train_rl(context.run, self.name, policy, live, context.entries, finetune_stage=context.cfg.finetune_stage)
+        train_rl_stage(context, self.name, policy, live, context.entries, context.cfg.finetune_stage)
         context.engine.holds = None  # the last update's weights were never pushed
         context.hand_on(self.name, policy, {"steps": section.steps})
+
+
+def train_rl_stage(context: Run, stage: str, policy, engine, entries, finetune_stage: str) -> dict:
+    """The RL stage's loop (rcgrpo.training.rl_loop.train_rl) on `policy`,
+    with the settings read here from the run's config. `finetune_stage`
+    ("rctp" or "sft") is the stage `policy` comes from: with `stage` it
+    decides the rollouts' reward tokens (rl_rollout_conditioning)."""
+    cfg, section = context.cfg, context.cfg.grpo
+    rollout = rollout_settings(cfg, stage)
+    probe = RewardProbe(stage, policy, engine, entries, context.tokenizer, rollouts=section.eval_rollouts,
+                        config=rollout, finetune_stage=finetune_stage, seed=cfg.data.seed)
+    return train_rl(context, stage, policy, engine, entries, section, context.step_settings(), rollout,
+                    tokenizer=context.tokenizer, probe=probe, engine_tp_size=cfg.run.engine_tp_size,
+                    conditioning=rl_rollout_conditioning(stage, finetune_stage, section.p_high))
 
 
 class EvalStage(Stage):
@@ -201,7 +158,7 @@ class EvalStage(Stage):
 
     section, trains, marks_done = "eval", False, False
 
-    def run(self, section, context: PipelineContext) -> None:
+    def run(self, section, context: Run) -> None:
         if context.environment.is_bfcl:
             entries = select_entries(section.split, section.categories, section.subset)
         else:

@@ -47,7 +47,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -66,8 +66,6 @@ __all__ = [
     "load_latest",
     "list_checkpoints",
     "verify_checkpoint",
-    "load_model_weights",
-    "folder_weights",
 ]
 
 FORMAT = 1
@@ -105,20 +103,17 @@ class Checkpoint:
 
     def restore(
         self,
-        model: Optional[torch.nn.Module] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
         scheduler: Any = None,
         rng: bool = True,
         generators: Optional[dict[str, torch.Generator]] = None,
     ) -> "Checkpoint":
-        """Load what is given, in place: weights (of a plain model; a LoRA or
-        sharded policy restores through `rcgrpo.model.policy.TrainablePolicy.restore`),
-        optimizer, scheduler, RNGs.
+        """Load what is given, in place: optimizer, scheduler, RNGs. The
+        weights are the model's to load (`rcgrpo.model.loading.load_model_weights`
+        from `model_dir`; a policy: `rcgrpo.model.policy.TrainablePolicy.restore`).
 
         Raises CheckpointError if something asked for is not in the checkpoint.
         """
-        if model is not None:
-            load_model_weights(model, self.model_dir)
         if optimizer is not None:
             optimizer.load_state_dict(self._load_pt("optimizer.pt"))
         if scheduler is not None:
@@ -538,33 +533,3 @@ def _verifies(path: Path, full: bool) -> bool:
     return True
 
 
-def folder_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight in a model folder's safetensors files,
-    read one tensor at a time (what an engine loads from a stage export)."""
-    from safetensors import safe_open
-
-    shards = sorted(Path(model_dir).glob("*.safetensors"))
-    if not shards:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    for shard in shards:
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-def load_model_weights(model: torch.nn.Module, model_dir: str | os.PathLike) -> None:
-    """Copy the safetensors weights of ``model_dir`` into ``model`` in place.
-
-    Keys the file omits are accepted only when they share storage with a key
-    it has (tied embeddings: save_pretrained writes them once).
-    """
-    model_dir = Path(model_dir)
-    weights = dict(folder_weights(model_dir))
-    result = model.load_state_dict(weights, strict=False)
-    if result.unexpected_keys:
-        raise CheckpointError(f"{model_dir}: weights the model does not have: {result.unexpected_keys[:5]}")
-    own = model.state_dict()
-    loaded_ptrs = {own[k].data_ptr() for k in weights if k in own}
-    untied = [k for k in result.missing_keys if own[k].data_ptr() not in loaded_ptrs]
-    if untied:
-        raise CheckpointError(f"{model_dir}: weights missing from the checkpoint: {untied[:5]}")

@@ -8,8 +8,10 @@ a micro-batch is forwarded once and read by every sequence that has it (the
 float rounding. A wrong mask, position or gather gives log-probs that only
 look plausible: the loss still falls, the old and reference log-probs drift
 from the engine's (verl reports such divergence under tree attention), and
-nothing fails. So every stage that forwards with sharing checks it, on the
-first micro-batch it trains on that shares a prefix and has loss tokens:
+nothing fails. So every stage that forwards with sharing checks it, on a
+sample of the first micro-batch it trains on that shares a prefix and has
+loss tokens (`parity_sample`: two of its sequences cut to the shortest
+prefix two of them share, plus a tail of each, every tail token scored):
 
     tree_parity_max_abs = max over its loss tokens of |log p_tree - log p_dense|   (nats)
 
@@ -28,14 +30,15 @@ then sees; a refusal there voids it with the rest).
 
 When: once per stage invocation by default (a resumed stage checks again),
 then every `model.parity_check_every` steps where asked. Its cost is two
-extra no-gradient forwards of one micro-batch (tree and dense; the training
-pass cannot be reused: it runs with dropout and gradient), logged as
-`tree_parity_s` with the figure and printed on one line, so it can neither
-run every step unnoticed (the Unsloth failure: a silent fallback that ran an
-extra forward per step) nor be skipped unnoticed: a stage that forwards
-nothing shared says so once. The dense forward computes the micro-batch's
-packed tokens, more than its tree forward, but without gradient it keeps no
-activations: its peak stays below a training pass's.
+extra no-gradient forwards of the sample (tree and dense; the training pass
+cannot be reused: it runs with dropout and gradient): a few hundred tokens
+on BFCL, not the micro-batch (whose dense forward, every sequence whole, cost
+the default run ~30 s a stage on 2 CPU cores). It is logged as `tree_parity_s` with the
+figure and printed on one line, so it can neither run every step unnoticed
+(the Unsloth failure: a silent fallback that ran an extra forward per step)
+nor be skipped unnoticed: a stage that forwards nothing shared says so once.
+Without gradient the dense forward keeps no activations: its peak stays
+below a training pass's.
 
 Under torchrun every rank takes part in the same passes (FSDP's collectives
 pair up): each rank checks its own micro-batch (a padding one when it has
@@ -53,15 +56,21 @@ import torch
 
 from rcgrpo.base import distributed
 from rcgrpo.base.errors import UserError
-from rcgrpo.model.packing import PackedBatch
+from rcgrpo.model.packing import PackedBatch, Trajectory, pack
 from rcgrpo.model.policy import PackedLM, TrainablePolicy
-from rcgrpo.model.prefix_sharing import forwarded_tokens
+from rcgrpo.model.prefix_sharing import (
+    MIN_SHARED_TOKENS,
+    common_prefix_length,
+    forwarded_tokens,
+    prefix_layout,
+    with_prefix_layout,
+)
 from rcgrpo.run.metrics import log_line
 from rcgrpo.training.lockstep import padding_batch
 from rcgrpo.training.losses import LossPath, token_logprobs
 
-__all__ = ["PARITY_BOUNDS", "PARITY_METRICS", "TreeParityError", "parity_bound", "shares_a_prefix",
-           "tree_vs_dense", "ParityOracle"]
+__all__ = ["PARITY_BOUNDS", "PARITY_METRICS", "PARITY_TAIL", "TreeParityError", "parity_bound", "parity_sample",
+           "shares_a_prefix", "tree_vs_dense", "ParityOracle"]
 
 # Max |log p_tree - log p_dense| over one micro-batch's loss tokens (nats),
 # per compute dtype. Both forwards compute the same sums in differently
@@ -82,6 +91,9 @@ PARITY_BOUNDS = {torch.float32: 1e-3, torch.bfloat16: 2.0}
 # What a check logs in metrics.jsonl at its step (described in rcgrpo.run.metrics.STANDARD_METRICS).
 PARITY_METRICS = ("tree_parity_max_abs", "tree_parity_mean_abs", "tree_parity_bound", "tree_parity_tokens",
                   "tree_parity_s")
+
+# Tokens each sequence of the check's sample keeps past the prefix the two share (parity_sample).
+PARITY_TAIL = 32
 
 SHARING_OFF = "--model.share_prefixes false"  # the setting a refusal names: every sequence forwarded whole
 
@@ -108,6 +120,37 @@ def shares_a_prefix(batch: PackedBatch) -> bool:
     it forwards fewer tokens than the batch packs (otherwise its layout is
     every sequence whole, and the two compute the same thing)."""
     return forwarded_tokens(batch, share_prefixes=True) < batch.num_tokens
+
+
+def parity_sample(batch: PackedBatch) -> PackedBatch:
+    """Where the check is cheapest: two sequences of `batch` that share a
+    prefix, the pair that shares the shortest one (at least
+    MIN_SHARED_TOKENS: a sequence and the root of its path in the tree),
+    each cut to that prefix plus up to PARITY_TAIL tokens of its own, every
+    kept token past the prefix scored. The tree forward reads the second's
+    prefix from the first's rows, as every branch of the batch does: a
+    broken tree (a wrong mask, position or gather; one key short: 9.5 nats
+    on the 135M model) is broken there too, and a causal forward's rows up
+    to the cut are what they are in the whole sequences. On BFCL the
+    shortest shared prefix is the 149-token system preamble when the batch
+    holds two entries, a whole prompt (~2k tokens) when it holds one.
+    `batch` itself when no two of its sequences share a prefix."""
+    layout = prefix_layout(batch)
+    cu = batch.cu_seqlens.tolist()
+    ids, pos = batch.input_ids.cpu(), batch.position_ids.cpu()
+
+    def shared(a: int, b: int) -> int:
+        return min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
+                   common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
+
+    pairs = [(shared(root, b), root, b) for b, root in enumerate(layout.seq_root) if root != b]
+    pairs = [(n, a, b) for n, a, b in pairs if n >= MIN_SHARED_TOKENS and cu[b] + n < cu[b + 1]]
+    if not pairs:
+        return batch
+    n, a, b = min(pairs)
+    cut = [ids[cu[s]:min(cu[s] + n + PARITY_TAIL, cu[s + 1])].tolist() for s in (a, b)]
+    sample = pack([Trajectory(t, [0] * n + [1] * (len(t) - n), group=0) for t in cut])
+    return with_prefix_layout(sample.to(batch.input_ids.device))
 
 
 def _dense(lm: PackedLM) -> PackedLM:
@@ -173,7 +216,7 @@ class ParityOracle:
                 log_line(f"[{self.stage}] tree parity: step {step}'s micro-batches share no prompt prefix "
                          "(their forward is the dense one); checked at the first step whose micro-batches do")
             return {}
-        batch = mine if mine is not None else padding_batch(self.policy.device)  # FSDP: the same passes
+        batch = parity_sample(mine) if mine is not None else padding_batch(self.policy.device)  # FSDP: the same passes
         t0 = time.perf_counter()
         with _no_dropout(self.policy.model):
             diff = tree_vs_dense(self.policy.lm, batch, self.path, self.temperature)

@@ -2,6 +2,7 @@
 training prompts, measured with the policy's current weights."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Sequence
 
@@ -9,9 +10,9 @@ from rcgrpo.base import distributed
 from rcgrpo.conditioning.reward_tokens import stage_saw_reward_tokens
 from rcgrpo.evaluation.sampled_reward import reward_metrics, sampled_reward
 from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.rollout.agent_loop import RolloutConfig
 from rcgrpo.rollout.engine import play_awake
 from rcgrpo.run.metrics import log_line
-from rcgrpo.training.context import RunContext, rollout_settings
 
 
 def probe_seed(data_seed: int) -> int:
@@ -30,21 +31,23 @@ class RewardProbe:
     The entries are a seeded choice of at most `grpo.eval_rollouts`
     training entries; the seeds are the same at every measurement."""
 
-    def __init__(self, ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
-                 finetune_stage: str):
-        g = ctx.cfg.grpo
-        self.ctx, self.stage, self.policy, self.engine = ctx, stage, policy, engine
-        n = min(len(entries), g.eval_rollouts)
-        self.entries = [entries[i] for i in sorted(random.Random(ctx.cfg.data.seed).sample(range(len(entries)), n))]
+    def __init__(self, stage: str, policy: TrainablePolicy, engine, entries: Sequence, tokenizer, *,
+                 rollouts: int, config: RolloutConfig, finetune_stage: str, seed: int):
+        """`rollouts`: grpo.eval_rollouts; `config`: the stage's rollout
+        settings (rollout_settings); `seed`: data.seed."""
+        self.stage, self.policy, self.engine, self.tokenizer = stage, policy, engine, tokenizer
+        self.rollouts = rollouts
+        n = min(len(entries), rollouts)
+        self.entries = [entries[i] for i in sorted(random.Random(seed).sample(range(len(entries)), n))]
         self.conditionings = ("high", "low") if stage_saw_reward_tokens(stage, finetune_stage) else ("none",)
-        self.config = rollout_settings(ctx.cfg, stage, seed=probe_seed(ctx.cfg.data.seed))
+        self.config = dataclasses.replace(config, seed=probe_seed(seed))
 
     def measure(self, step: int) -> dict[str, float]:
         """Every rank plays the same sample (its engine takes the weights: a
         collective under FSDP); rank 0 logs the result."""
         def play(live):
-            return {c: sampled_reward(live, self.ctx.tokenizer, self.entries, c, self.ctx.cfg.grpo.eval_rollouts,
-                                      self.config) for c in self.conditionings}
+            return {c: sampled_reward(live, self.tokenizer, self.entries, c, self.rollouts, self.config)
+                    for c in self.conditionings}
 
         rates, replays = play_awake(self.engine, self.policy.rollout_weights, play,
                                     f"[{self.stage}] the sampled-reward probe at step {step}", warn=log_line,

@@ -18,20 +18,21 @@ import time
 from typing import Sequence
 
 from rcgrpo.base import distributed
-from rcgrpo.conditioning.reward_tokens import Conditioning, rl_rollout_conditioning
+from rcgrpo.conditioning.reward_tokens import Conditioning
 from rcgrpo.model.policy import TrainablePolicy
-from rcgrpo.rollout.agent_loop import run_episodes
+from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import play_awake
-from rcgrpo.run.metrics import log_line, progress
-from rcgrpo.training.context import RunContext, rollout_settings
+from rcgrpo.run.metrics import log_line
 from rcgrpo.training.dynamic_sampling import dynamic_sampling
-from rcgrpo.training.losses import RLLossSettings, loss_path
+from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
 from rcgrpo.training.parity import ParityOracle
 from rcgrpo.training.reward_probe import RewardProbe
 from rcgrpo.training.rl_statistics import gather_summaries, group_stats
 from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories
-from rcgrpo.training.stage_verdict import RL_FIGURES, StageTally, bar_figures
+from rcgrpo.training.stage_loop import StageRun, StageSteps, run_stage
+from rcgrpo.training.stage_verdict import RL_FIGURES
+from rcgrpo.training.step_settings import StepSettings
 
 
 def prompt_schedule(num_entries: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
@@ -63,22 +64,28 @@ def step_share(schedule_row: Sequence[int], tp_size: int) -> tuple[list[int], in
 
 
 @dataclasses.dataclass
-class RLStageState:
-    """What every step of one RL stage invocation uses, built once at its start
-    (the stage itself, as the pipeline runs it: rcgrpo.pipeline.stages.RlStage)."""
-    ctx: RunContext
+class RlStep:
+    """The RL stage's setup, built once at its start (by `train_rl`), and its
+    step function: `rl_step(step)` plays step `step`'s rollouts and updates."""
     stage: str
     policy: TrainablePolicy
     engine: object
+    tokenizer: object
     entries: Sequence
+    section: object  # cfg.grpo
     conditioning: Conditioning
     schedule: list[list[int]]
+    rollout: RolloutConfig  # the stage's rollout settings (rollout_settings); each step varies its seed
+    engine_tp_size: int
+    how: StepSettings
     settings: RLLossSettings
     update: UpdateSettings
     optimizer: object
     scheduler: object
     parity: ParityOracle
-    probe: RewardProbe
+
+    def __call__(self, step: int) -> dict:
+        return train_step(self, step)
 
 
 @dataclasses.dataclass
@@ -93,26 +100,26 @@ class StepRollouts:
     offset: int
 
 
-def play_step(run: RLStageState, step: int) -> StepRollouts:
+def play_step(run: RlStep, step: int) -> StepRollouts:
     """The engine wakes, takes the policy's current weights, plays the step's
     rollouts (with dynamic sampling's extra draws) and goes back to sleep."""
-    ctx, g = run.ctx, run.ctx.cfg.grpo
-    played, offset, (lo, hi) = step_share(run.schedule[step], ctx.cfg.run.engine_tp_size)
+    g, seed = run.section, run.how.seed
+    played, offset, (lo, hi) = step_share(run.schedule[step], run.engine_tp_size)
     version = run.scheduler.last_epoch
-    rollout_cfg = rollout_settings(
-        ctx.cfg, run.stage,
+    rollout_cfg = dataclasses.replace(
+        run.rollout,
         # The loss settings' temperature, so that the engine samples (and reports
         # log-probs) at exactly the temperature the trainer scores the tokens at.
         temperature=run.settings.temperature,
         # Each engine group's share of the step gets its own seeds.
-        seed=ctx.cfg.data.seed * 100_003 + step + 1_000_003 * offset, policy_version=version,
+        seed=seed * 100_003 + step + 1_000_003 * offset, policy_version=version,
     )
     extra_generated = []
 
     def play(indices, draw, live):
         step_entries = [run.entries[i] for i in indices]
         cfg = dataclasses.replace(rollout_cfg, seed=rollout_cfg.seed + 7_777_777 * draw)
-        out = run_episodes(live, ctx.tokenizer, step_entries, g.group_size, cfg, reward_tokens=run.conditioning)
+        out = run_episodes(live, run.tokenizer, step_entries, g.group_size, cfg, reward_tokens=run.conditioning)
         if draw:
             extra_generated.extend(sum(r.sampled_mask) for r in out)
         return out
@@ -124,7 +131,7 @@ def play_step(run: RLStageState, step: int) -> StepRollouts:
             return scheduled, scheduled, {}
         kept, counts = dynamic_sampling(
             lambda idx, draw: play(idx, draw, live), played, scheduled, len(run.entries), g.batch_size,
-            g.dynamic_sampling_max_draws, seed=ctx.cfg.data.seed * 1_000_003 + step)
+            g.dynamic_sampling_max_draws, seed=seed * 1_000_003 + step)
         return kept, scheduled, counts
 
     run.policy.eval_mode()
@@ -136,20 +143,15 @@ def play_step(run: RLStageState, step: int) -> StepRollouts:
                         ds_counts, extra_generated, replays, version, offset)
 
 
-def train_step(run: RLStageState, step: int) -> dict:
-    """One step: its rollouts, its update, the learning curve where due; the
-    step's record for metrics.jsonl."""
-    g = run.ctx.cfg.grpo
+def train_step(run: RlStep, step: int) -> dict:
+    """One step: its rollouts, its update; the step's record for metrics.jsonl."""
     t0 = time.perf_counter()
     played = play_step(run, step)
     t1 = time.perf_counter()
-    stats = rl_update(run.ctx, run.policy, to_trajectories(played.trained), run.settings, run.update,
+    stats = rl_update(run.policy, to_trajectories(played.trained), run.how, run.settings, run.update,
                       optimizer=run.optimizer, scheduler=run.scheduler, step=step, parity=run.parity)
     run.policy.eval_mode()
     t2 = time.perf_counter()
-    evaluated = {}
-    if g.eval_every and ((step + 1) % g.eval_every == 0 or step + 1 == g.steps):
-        evaluated = run.probe.measure(step + 1)
     # Reward statistics are those of the scheduled prompts (comparable
     # across pipelines); dynamic sampling's extra draws are counted apart.
     everyone = gather_summaries(played.scheduled, played.offset)
@@ -159,34 +161,17 @@ def train_step(run: RLStageState, step: int) -> dict:
         engine_replays=played.replays, rollouts_played=len(everyone) + len(played.extra_generated),
         lr=run.scheduler.get_last_lr()[0], rollout_s=t1 - t0, update_s=t2 - t1,
         tokens_per_s=stats.get("batch_tokens", 0) / max(t2 - t1, 1e-9),
-        generated_tokens_per_s=generated / max(t1 - t0, 1e-9), **evaluated,
+        generated_tokens_per_s=generated / max(t1 - t0, 1e-9),
     )
 
 
-def start_stage(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
-                finetune_stage: str) -> tuple[RLStageState, int]:
-    """The stage's optimizer, schedule, settings, probe and parity oracle;
-    the step to start from (a resumed run's)."""
-    g = ctx.cfg.grpo
-    schedule = prompt_schedule(len(entries), g.batch_size, g.steps, ctx.cfg.data.seed)
-    update = UpdateSettings.from_config(g, ctx.cfg.data.seed)
-    optimizer, scheduler = make_optimizer(policy, g.lr, g.weight_decay,
-                                          g.steps * g.updates_per_batch * g.mini_batches, 0.0)
-    start = ctx.resume(stage, policy, optimizer, scheduler)
-    settings = RLLossSettings.from_config(g)
-    conditioning = rl_rollout_conditioning(stage, finetune_stage, g.p_high)
-    probe = RewardProbe(ctx, stage, policy, engine, entries, finetune_stage)
-    parity = ParityOracle(stage, policy, every=ctx.cfg.model.parity_check_every, path=loss_path(ctx.cfg.run.fused),
-                          temperature=settings.temperature)
-    return RLStageState(ctx, stage, policy, engine, entries, conditioning, schedule, settings, update, optimizer,
-                   scheduler, parity, probe), start
-
-
-def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entries: Sequence,
-             finetune_stage: str) -> dict:
-    """Run the GRPO / RC-GRPO stage in place on `policy`; resumable.
-    `finetune_stage` ("rctp" or "sft") is the stage `policy` comes from: with
-    `stage` it decides the rollouts' reward tokens (rl_rollout_conditioning).
+def train_rl(run: StageRun, stage: str, policy: TrainablePolicy, engine, entries: Sequence, section,
+             how: StepSettings, rollout: RolloutConfig, *, tokenizer, conditioning: Conditioning,
+             probe: RewardProbe, engine_tp_size: int = 1) -> dict:
+    """Run the GRPO / RC-GRPO stage (`section`: cfg.grpo) in place on
+    `policy`; resumable. `conditioning` is the rollouts' reward-token rule
+    (rl_rollout_conditioning), `rollout` the stage's rollout settings, `probe`
+    its learning curve.
 
     Per step: the engine wakes, takes the policy's current weights (on the
     first step too: it may hold another stage's weights, or a resumed run's
@@ -203,21 +188,14 @@ def train_rl(ctx: RunContext, stage: str, policy: TrainablePolicy, engine, entri
     With `grpo.eval_every`, the stage's learning curve (`RewardProbe`) is
     measured before the first step (a step-0 record), after every
     `eval_every`-th step and after the last, and logged with that step."""
-    g = ctx.cfg.grpo
-    run, start = start_stage(ctx, stage, policy, engine, entries, finetune_stage)
-    last = {}
-    tally = StageTally(stage, rl=True)
-    with ctx.metrics(stage, resume_step=start if start else None) as log:
-        if g.eval_every and start == 0:
-            log.log(0, **run.probe.measure(0))
-        bar = progress(range(start, g.steps), total=g.steps, initial=start, desc=stage)
-        for step in bar:
-            last = log.log(step + 1, **train_step(run, step))
-            tally.add(last)
-            bar.set_postfix(bar_figures(last, RL_FIGURES), refresh=False)
-            if ctx.cfg.run.checkpoint_every and (step + 1) % ctx.cfg.run.checkpoint_every == 0 and step + 1 < g.steps:
-                ctx.save(stage, step + 1, policy, run.optimizer, run.scheduler)
-        bar.close()
-    for line in tally.lines():
-        log_line(line)
-    return last
+    g = section
+    optimizer, scheduler = make_optimizer(policy, g.lr, g.weight_decay,
+                                          g.steps * g.updates_per_batch * g.mini_batches, 0.0)
+    settings = RLLossSettings.from_config(g)
+    rl_step = RlStep(
+        stage, policy, engine, tokenizer, entries, g, conditioning,
+        prompt_schedule(len(entries), g.batch_size, g.steps, how.seed), rollout, engine_tp_size, how, settings,
+        UpdateSettings.from_config(g, how.seed), optimizer, scheduler,
+        ParityOracle(stage, policy, every=how.parity_check_every, path=how.path, temperature=settings.temperature))
+    return run_stage(run, StageSteps(stage, g.steps, policy, optimizer, scheduler, rl_step, RL_FIGURES, rl=True,
+                                     probe=probe.measure, probe_every=g.eval_every), how.checkpoint_every)

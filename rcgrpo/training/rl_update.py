@@ -17,7 +17,7 @@ import torch
 
 import rcgrpo_kernels
 from rcgrpo.base import distributed
-from rcgrpo.model.micro_batching import micro_batch_plan, micro_batches
+from rcgrpo.model.micro_batching import micro_batch, micro_batch_plan, micro_batches
 from rcgrpo.model.packing import (
     PackedBatch,
     Trajectory,
@@ -29,12 +29,12 @@ from rcgrpo.model.packing import (
 from rcgrpo.model.policy import TrainablePolicy
 from rcgrpo.model.prefix_sharing import forwarded_tokens
 from rcgrpo.training.agreement import Agreement, tis_weights
-from rcgrpo.training.context import RunContext
 from rcgrpo.training.lockstep import lockstep
-from rcgrpo.training.losses import LossPath, RLLossSettings, current_logprobs, loss_path, reference_logprobs, rl_loss
+from rcgrpo.training.losses import LossPath, RLLossSettings, current_logprobs, reference_logprobs, rl_loss
 from rcgrpo.training.optimizer import clip_and_step
 from rcgrpo.training.parity import ParityOracle
 from rcgrpo.training.rl_statistics import advantage_stats
+from rcgrpo.training.step_settings import StepSettings
 
 
 def to_trajectories(rollouts) -> list[Trajectory]:
@@ -96,23 +96,22 @@ TOKEN_COUNTS = ("loss_tokens", "batch_tokens", "forward_tokens")
 
 
 @torch.no_grad()
-def trainer_logprobs(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None,
+def trainer_logprobs(policy: TrainablePolicy, batch: PackedBatch | None, how: StepSettings,
                      temperature: float) -> torch.Tensor | None:
     """[N] the current policy's log-probs at the batch's loss positions (0
     elsewhere): the old log-probs of PPO epochs, taken once before the first
     update, micro-batch by micro-batch, in lockstep with the other ranks."""
-    path = loss_path(ctx.cfg.run.fused)
     if batch is None:
         out, plan = None, []
     else:
         out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.input_ids.device)
-        plan = micro_batch_plan(batch, ctx.cfg.run.micro_batch_tokens, policy.lm.shares_prefixes, loss_only=True)
-    micros = [(batch.select(ix), batch.token_positions(ix)) for ix in plan]
-    for item, padding in lockstep(micros, ctx.device):
+        plan = micro_batch_plan(batch, how.micro_batch_tokens, policy.lm.shares_prefixes, loss_only=True)
+    micros = [(micro_batch(batch, ix, policy.lm.shares_prefixes), batch.token_positions(ix)) for ix in plan]
+    for item, padding in lockstep(micros, how.device):
         micro, positions = (item, None) if padding else item
         hidden = policy.lm.hidden_states(micro)  # a padding pass too: FSDP's collectives pair up
         if not padding:
-            out[positions] = current_logprobs(policy.lm, micro, path, temperature, hidden)
+            out[positions] = current_logprobs(policy.lm, micro, how.path, temperature, hidden)
     return out
 
 
@@ -179,7 +178,7 @@ def _token_counts(policy: TrainablePolicy, batch: PackedBatch | None, micros: Se
     return distributed.all_reduce_sum(local)
 
 
-def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None,
+def accumulate_gradients(policy: TrainablePolicy, batch: PackedBatch | None, how: StepSettings,
                          settings: RLLossSettings, tis_cap: float | None = None,
                          agreement: Agreement | None = None) -> dict[str, float]:
     """Loss + backward over the token-balanced micro-batches of one (mini-)batch:
@@ -198,7 +197,7 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
     """
     # Balanced on the tokens each forward computes (with prefix sharing a
     # group's prompt counts once per micro-batch).
-    micros = [] if batch is None else micro_batches(batch, ctx.cfg.run.micro_batch_tokens, policy.lm.shares_prefixes,
+    micros = [] if batch is None else micro_batches(batch, how.micro_batch_tokens, policy.lm.shares_prefixes,
                                                     loss_only=True)
     counts = _token_counts(policy, batch, micros, settings.loss_type)
     if tis_cap is not None and any(m.engine_logp is None for m in micros):
@@ -207,10 +206,10 @@ def accumulate_gradients(ctx: RunContext, policy: TrainablePolicy, batch: Packed
     # The keys every rank's losses report, set before the passes: a rank with
     # padding passes only must reduce the same keys as the others.
     sums = dict.fromkeys(("loss", "clip_frac", "entropy") + (("kl",) if settings.beta > 0 else ()), 0.0)
-    one = _LossPass(policy, settings, loss_path(ctx.cfg.run.fused), round(counts["normaliser"]), tis_cap, agreement,
+    one = _LossPass(policy, settings, how.path, round(counts["normaliser"]), tis_cap, agreement,
                     own_reference=settings.beta > 0 and policy.equals_reference)
     summing = None if rcgrpo_kernels.get_loss_type(settings.loss_type).divides else max(counts["loss_tokens"], 1)
-    for micro, padding in lockstep(micros, ctx.device):
+    for micro, padding in lockstep(micros, how.device):
         loss, stats, weight = one.backward(micro, padding)
         if padding:
             continue
@@ -267,7 +266,7 @@ def _add_pass(totals: dict[str, float], stats: dict[str, float], epoch: int, upd
             totals[key] += stats[key]
 
 
-def _passes(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None, settings: RLLossSettings,
+def _passes(policy: TrainablePolicy, batch: PackedBatch | None, how: StepSettings, settings: RLLossSettings,
             update: UpdateSettings, step: int, agreement: Agreement,
             take_step) -> tuple[dict[str, float], list]:
     """Every pass over the batch's mini-batches, each followed by
@@ -278,7 +277,7 @@ def _passes(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None,
     for epoch in range(update.updates_per_batch):
         parts = mini_batch_split(batch, update.mini_batches, update.seed * 1_000_003 + step * 101 + epoch)
         for part in parts:
-            stats = accumulate_gradients(ctx, policy, part, settings, update.tis_cap,
+            stats = accumulate_gradients(policy, part, how, settings, update.tis_cap,
                                          agreement if update.on_policy else None)
             if not stats["loss_tokens"]:
                 continue  # a mini-batch left without groups on every rank: no step to take
@@ -287,8 +286,8 @@ def _passes(ctx: RunContext, policy: TrainablePolicy, batch: PackedBatch | None,
     return totals, norms
 
 
-def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[Trajectory], settings: RLLossSettings,
-              update: UpdateSettings, *, optimizer=None, scheduler=None, step: int = 0,
+def rl_update(policy: TrainablePolicy, trajectories: Sequence[Trajectory], how: StepSettings,
+              settings: RLLossSettings, update: UpdateSettings, *, optimizer=None, scheduler=None, step: int = 0,
               parity: ParityOracle | None = None) -> dict[str, float]:
     """The update from one rollout batch: `updates_per_batch` passes, each of
     `mini_batches` optimizer steps (`optimizer`, `scheduler`). Without an
@@ -316,7 +315,7 @@ def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[T
     if optimizer is None and not update.on_policy:
         raise ValueError("an update of several optimizer steps needs the optimizer")
     policy.train_mode(dropout=False)
-    batch, advantages = prepare_batch(trajectories, ctx.device, update.advantage_estimator,
+    batch, advantages = prepare_batch(trajectories, how.device, update.advantage_estimator,
                                       update.informative_only)
     out: dict[str, float] = {**advantage_stats(advantages), "updates": 0, "update_skipped": 1}
     if _no_gradient(policy, batch, advantages, settings):
@@ -324,18 +323,18 @@ def rl_update(ctx: RunContext, policy: TrainablePolicy, trajectories: Sequence[T
     out["update_skipped"] = 0
     if parity is not None and parity.due(step + 1):
         # Before the old log-probs and the first update: every pass of the step uses the checked forward.
-        micros = [] if batch is None else micro_batches(batch, ctx.cfg.run.micro_batch_tokens,
-                                                        policy.lm.shares_prefixes, loss_only=True)
+        micros = [] if batch is None else micro_batches(batch, how.micro_batch_tokens, policy.lm.shares_prefixes,
+                                                        loss_only=True)
         out.update(parity.check(step + 1, micros))
     agreement = Agreement()
     if not update.on_policy:
-        old = trainer_logprobs(ctx, policy, batch, settings.temperature)
+        old = trainer_logprobs(policy, batch, how, settings.temperature)
         if batch is not None:
             batch = dataclasses.replace(batch, old_logp=old)
             agreement.add(batch, old, update.tis_cap)
     take_step = ((lambda: clip_and_step(policy, optimizer, scheduler, update.max_grad_norm))
                  if optimizer is not None else (lambda: None))
-    totals, norms = _passes(ctx, policy, batch, settings, update, step, agreement, take_step)
+    totals, norms = _passes(policy, batch, how, settings, update, step, agreement, take_step)
     n = len(norms)
     out.update({k: (v if k.startswith("clip_frac_pass") or k.endswith("_tokens") else v / n)
                 for k, v in totals.items()})

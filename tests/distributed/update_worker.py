@@ -55,13 +55,13 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
          share_prefixes: str = "true") -> int:
     from rcgrpo.base import distributed
     from rcgrpo.config import parse_args
-    from rcgrpo.model.loading import load_tokenizer, resolve_model_folder
+    from rcgrpo.model.loading import resolve_model_folder
     from rcgrpo.model.packing import Trajectory
     from rcgrpo.model.policy import TrainablePolicy
-    from rcgrpo.training.context import RunContext
     from rcgrpo.training.losses import RLLossSettings
     from rcgrpo.training.optimizer import clip_and_step, make_optimizer
     from rcgrpo.training.rl_update import UpdateSettings, rl_update
+    from rcgrpo.training.step_settings import StepSettings
 
     with distributed.guarded():
         distributed.init("cpu", timeout_s=120)
@@ -81,12 +81,12 @@ def main(rollouts: str, out_dir: str, dtype: str = "float32", model_folder: str 
         lo, hi = distributed.rank_slice(groups)
         mine = [Trajectory(r["token_ids"], r["sampled_mask"], group=r["group"], reward=r["reward"])
                 for r in rows if r["group"] in groups[lo:hi]]
-        ctx = RunContext(cfg, torch.device("cpu"), load_tokenizer(folder), folder)
+        how = StepSettings.from_config(cfg, torch.device("cpu"))
         optimizer, scheduler = make_optimizer(policy, LR, 0.0, 1, 0.0)
         policy.train_mode()
         distributed.barrier()
         t0 = time.perf_counter()  # the trainer's update phase: loss, backward, step, weight stream
-        stats = rl_update(ctx, policy, mine, RLLossSettings(beta=0.1), UpdateSettings("group"))
+        stats = rl_update(policy, mine, how, RLLossSettings(beta=0.1), UpdateSettings("group"))
         stats["grad_norm"] = clip_and_step(policy, optimizer, scheduler, 1.0)
         weights = {name: t.clone() for name, t in policy.rollout_weights()}
         stats["weight_dtypes"] = sorted({str(t.dtype) for t in weights.values()})

@@ -11,10 +11,10 @@ import torch
 
 from rcgrpo.config import parse_args
 from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.pipeline.run import Run
+from rcgrpo.pipeline.stages import train_rl_stage
 from rcgrpo.rollout.engine import EngineFault, Generation, awake, check_generations
 from rcgrpo.rollout.hf_engine import HFEngine
-from rcgrpo.training.context import RunContext
-from rcgrpo.training.rl_loop import train_rl
 
 
 class SpyEngine:
@@ -59,7 +59,7 @@ def test_each_rl_step_wakes_swaps_generates_and_sleeps_before_the_update(tiny_fo
                       "--grpo.group_size", "2", "--grpo.max_new_tokens", "4", "--grpo.lr", "1e-2",
                       "--grpo.eval_every", "0"],
                      check_files=False)
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    ctx = Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     with torch.no_grad():  # unlike its reference: the KL term moves the weights even if every reward is 0
         policy.model.model.norm.weight.mul_(1.5)
@@ -69,7 +69,7 @@ def test_each_rl_step_wakes_swaps_generates_and_sleeps_before_the_update(tiny_fo
                                                   reference=False).model, tokenizer))
     spy.sleep()  # how train.py hands it over: asleep since its start
     spy.calls.clear()
-    train_rl(ctx, "rc-grpo", policy, spy, [train[0]], finetune_stage="rctp")
+    train_rl_stage(ctx, "rc-grpo", policy, spy, [train[0]], finetune_stage="rctp")
 
     phase = ["wake_up", "load_weights", "generate", "sleep"]
     assert spy.calls == phase * 2, spy.calls
@@ -120,12 +120,12 @@ def _rl_run(tiny_folder, tokenizer, out_dir, engine, steps=2):
                       "--run.report_to", "none", "--grpo.steps", str(steps), "--grpo.batch_size", "1",
                       "--grpo.group_size", "2", "--grpo.max_new_tokens", "4", "--grpo.lr", "1e-2",
                       "--grpo.eval_every", "1", "--grpo.eval_rollouts", "2"], check_files=False)
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    ctx = Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     train, _ = split_train_test(load_entries(["base"]))
     engine.sleep()
     try:
-        train_rl(ctx, "rc-grpo", policy, engine, [train[0]], finetune_stage="rctp")
+        train_rl_stage(ctx, "rc-grpo", policy, engine, [train[0]], finetune_stage="rctp")
     finally:
         rows = [json.loads(x) for x in (out_dir / "fault" / "metrics.jsonl").read_text().splitlines()]
     return rows, policy

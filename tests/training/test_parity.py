@@ -13,13 +13,23 @@ import torch
 from rcgrpo.base.errors import UserError, one_line
 from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.config import parse_args
+from rcgrpo.model import prefix_sharing
 from rcgrpo.model.packing import Trajectory, pack
 from rcgrpo.model.policy import PackedLM, TrainablePolicy
+from rcgrpo.model.prefix_sharing import common_prefix_length, with_prefix_layout
+from rcgrpo.pipeline.run import Run
 from rcgrpo.run.checkpoint import load_latest
-from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
 from rcgrpo.training.losses import LOSS_PATHS
-from rcgrpo.training.parity import PARITY_METRICS, TreeParityError, parity_bound, shares_a_prefix, tree_vs_dense
+from rcgrpo.training.parity import (
+    PARITY_METRICS,
+    PARITY_TAIL,
+    TreeParityError,
+    parity_bound,
+    parity_sample,
+    shares_a_prefix,
+    tree_vs_dense,
+)
 
 PROMPT_TAIL = 256  # prompt tokens kept (the tag is at its end): eager's dense [N, N] mask stays small
 
@@ -63,11 +73,48 @@ def test_the_tree_forward_equals_the_dense_one_within_the_bound(tiny_folder, gro
     assert precision == dtype and float(diff.max()) <= bound, float(diff.max())
 
 
+def test_the_check_samples_the_shortest_shared_prefix_and_a_tail_of_each(group):
+    """The sample: two of the batch's sequences that share the shortest
+    prefix any branch shares with its root, cut to it plus PARITY_TAIL
+    tokens each, the tails scored; its tree forward still reads the second
+    from the first's rows."""
+    batch = with_prefix_layout(pack(group))
+    sample = parity_sample(batch)
+    ids, cu = batch.input_ids, batch.cu_seqlens.tolist()
+    seqs = [ids[cu[s]:cu[s + 1]] for s in range(batch.num_seqs)]
+    shortest = min(common_prefix_length(seqs[a], seqs[b]) for b in range(len(seqs)) for a in range(b))
+    assert shortest >= prefix_sharing.MIN_SHARED_TOKENS
+    first, second = (sample.input_ids[lo:hi] for lo, hi in zip(sample.cu_seqlens[:-1], sample.cu_seqlens[1:]))
+    assert common_prefix_length(first, second) == shortest and shares_a_prefix(sample)
+    assert all(len(t) <= shortest + PARITY_TAIL and any(torch.equal(t, s[:len(t)]) for s in seqs)
+               for t in (first, second))
+    assert sample.num_loss_tokens == sample.num_tokens - 2 * shortest > 0
+    # A batch with no two sequences sharing a prefix is checked whole.
+    alone = pack(group[:1])
+    assert parity_sample(alone) is alone
+
+
+def test_a_tree_one_key_short_is_refused_at_the_first_step(tmp_path, tokenizer, tiny_folder, group, monkeypatch):
+    """The planted bug the bound is sized against (benchmarks/tree_parity.py:
+    every branch one key short of its prefix) is caught on the sample. Under
+    eager attention: it reads the layout's mask as given (tree attention's
+    plan refuses such a layout before any forward)."""
+    from benchmarks.tree_parity import one_key_short
+
+    ctx, policy = _run(tmp_path, tokenizer, tiny_folder, group, "--rctp.epochs", "1",
+                       "--model.attn_implementation", "eager")
+    built = prefix_sharing.shared_prefix_layout
+    monkeypatch.setattr(prefix_sharing, "shared_prefix_layout",
+                        lambda b, **kw: one_key_short(built(b, **kw)) if kw.get("share", True) else built(b, **kw))
+    with pytest.raises(TreeParityError, match=r"^\[rctp\] step 1: the tree \(shared-prefix\) forward disagrees"):
+        finetune(ctx, "rctp", policy, group, ctx.cfg.rctp, ctx.step_settings())
+
+
 def _run(tmp_path, tokenizer, tiny_folder, group, *flags):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "p", "--run.report_to", "none",
                       "--run.checkpoint_every", "0", "--rctp.batch_size", "4", "--rctp.lr", "1e-3", *flags],
                      check_files=False)
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    ctx = Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     return ctx, TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=False)
 
 
@@ -93,7 +140,7 @@ def test_a_stage_checks_once_by_default_every_n_steps_when_asked(tmp_path, token
         return forward(lm, batch)
 
     monkeypatch.setattr(PackedLM, "hidden_states", counting)
-    finetune(ctx, "rctp", policy, group, ctx.cfg.rctp)
+    finetune(ctx, "rctp", policy, group, ctx.cfg.rctp, ctx.step_settings())
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["step"] for r in rows if "tree_parity_max_abs" in r] == checked
@@ -102,7 +149,8 @@ def test_a_stage_checks_once_by_default_every_n_steps_when_asked(tmp_path, token
         if r["step"] in checked:
             assert set(PARITY_METRICS) <= r.keys()
             assert 0 <= r["tree_parity_mean_abs"] <= r["tree_parity_max_abs"] <= r["tree_parity_bound"] == 1e-3
-            assert r["tree_parity_tokens"] == sum(t.sampled_mask.count(1) for t in group) and r["tree_parity_s"] > 0
+            # The check's sample: one branch and its root, not the whole micro-batch.
+            assert 0 < r["tree_parity_tokens"] < sum(t.sampled_mask.count(1) for t in group) and r["tree_parity_s"] > 0
     err = capsys.readouterr().err
     assert err.count("tree parity at step") == len(checked)
     assert err.count("tree parity: not checked") == (0 if share else 1)
@@ -128,14 +176,14 @@ def test_a_broken_tree_is_refused_in_one_line_and_nothing_saved_is_lost(tmp_path
         return hidden
 
     def save_then_break(*args, **kwargs):
-        RunContext.save(ctx, *args, **kwargs)
+        Run.save(ctx, *args, **kwargs)
         saved.update({n: p.detach().clone() for n, p in policy.model.named_parameters()})
         broken.append(1)
 
     monkeypatch.setattr(PackedLM, "hidden_states", perturbed)
     ctx.save = save_then_break
     with pytest.raises(TreeParityError) as caught:
-        finetune(ctx, "rctp", policy, group, ctx.cfg.rctp)
+        finetune(ctx, "rctp", policy, group, ctx.cfg.rctp, ctx.step_settings())
     message = str(caught.value)
     assert isinstance(caught.value, UserError) and one_line(caught.value) == message
     assert message.startswith("[rctp] step 2: the tree (shared-prefix) forward disagrees with the dense forward: "

@@ -127,7 +127,7 @@ def test_under_bf16_autocast_the_reference_computes_exactly_like_the_policy_at_s
     residual stream round)."""
     from transformers import AutoModelForCausalLM
 
-    from rcgrpo.training.context import RunContext
+    from rcgrpo.pipeline.run import Run
     from rcgrpo.training.losses import RLLossSettings, reference_logprobs, token_logprobs
     from rcgrpo.training.rl_update import UpdateSettings, rl_update
 
@@ -144,9 +144,9 @@ def test_under_bf16_autocast_the_reference_computes_exactly_like_the_policy_at_s
     with torch.no_grad():
         assert not torch.equal(token_logprobs(lm, batch, LOSS_PATHS["fused"]).float(), ref)
     # Step 1 of an RL stage (rewards 1 and 0: a non-zero advantage) reports KL exactly 0.
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    ctx = Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 1, 0.0)
-    stats = rl_update(ctx, policy, trajectories, RLLossSettings(beta=0.1), UpdateSettings(), optimizer=optimizer,
+    stats = rl_update(policy, trajectories, ctx.step_settings(), RLLossSettings(beta=0.1), UpdateSettings(), optimizer=optimizer,
                       scheduler=scheduler)
     assert stats["updates"] == 1 and stats["kl"] == 0.0
 

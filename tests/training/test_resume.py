@@ -17,7 +17,7 @@ import torch
 
 from rcgrpo.conditioning.reward_tokens import HIGH_REWARD, LOW_REWARD
 from rcgrpo.data.rctp import save_records
-from rcgrpo.run.checkpoint import folder_weights
+from rcgrpo.model.loading import folder_weights
 from tests.training.conftest import chat_record, save_tiny_llama
 
 pytestmark = pytest.mark.slow  # trainer subprocesses, one SIGKILLed mid-save (~17 s)

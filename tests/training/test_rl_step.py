@@ -13,14 +13,15 @@ import torch
 from rcgrpo.config import parse_args
 from rcgrpo.data.expert import expert_turns, script_from_turns
 from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.pipeline.run import Run
+from rcgrpo.pipeline.stages import train_rl_stage
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import Generation
 from rcgrpo.rollout.hf_engine import HFEngine
-from rcgrpo.training.context import RunContext
 from rcgrpo.training.dynamic_sampling import dynamic_sampling
 from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
-from rcgrpo.training.rl_loop import prompt_schedule, train_rl
+from rcgrpo.training.rl_loop import prompt_schedule
 from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories
 
 FAIL_REPLY = "I cannot help with that."
@@ -150,7 +151,7 @@ def _ds_run(tmp_path, tokenizer, tiny_folder, *flags):
                       "--grpo.batch_size", "2", "--grpo.group_size", "2", "--grpo.max_new_tokens", "64",
                       "--grpo.beta", "0", "--grpo.lr", "1e-3", "--grpo.eval_every", "0", *flags], check_files=False)
     assert cfg.grpo.dynamic_sampling
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    ctx = Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=False)
     return cfg, ctx, policy
 
@@ -168,7 +169,7 @@ def test_train_rl_with_dynamic_sampling_keeps_only_informative_groups(tmp_path, 
     solvable = [base_entries[i].id for i in range(len(base_entries)) if i not in scheduled]
     engine = PerPromptEngine(tokenizer, base_entries, solvable)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-    train_rl(ctx, "grpo", policy, engine, base_entries, finetune_stage="sft")
+    train_rl_stage(ctx, "grpo", policy, engine, base_entries, finetune_stage="sft")
     (row,) = _metrics(tmp_path)
     assert (row["ds_draws"], row["ds_prompts_drawn"], row["ds_groups_kept"], row["ds_groups_dropped"]) == (2, 4, 2, 2)
     assert row["rollouts_played"] == 4 * 2  # every prompt drawn, G = 2
@@ -191,7 +192,7 @@ def test_a_step_with_nothing_informative_makes_no_pass(tmp_path, tokenizer, tiny
     hook = policy.model.register_forward_hook(lambda *_: passes.append(1))
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     try:
-        train_rl(ctx, "grpo", policy, engine, base_entries, finetune_stage="sft")
+        train_rl_stage(ctx, "grpo", policy, engine, base_entries, finetune_stage="sft")
     finally:
         hook.remove()
     (row,) = _metrics(tmp_path)
@@ -223,7 +224,7 @@ def sampled(tiny_folder, tokenizer, base_entries):
 def _ctx(tmp_path, tokenizer, tiny_folder):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "u", "--run.report_to", "none"],
                      check_files=False)
-    return RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    return Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
 
 
 def _fresh(tiny_folder):
@@ -243,7 +244,7 @@ def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_f
         policy = _fresh(tiny_folder)
         opt, sched = make_optimizer(policy, 3e-2, 0.0, 4, 0.0)
         policy.train_mode()
-        results[mu] = (rl_update(ctx, policy, trajectories, settings,
+        results[mu] = (rl_update(policy, trajectories, ctx.step_settings(), settings,
                                  UpdateSettings(updates_per_batch=mu, max_grad_norm=0.0),
                                  optimizer=opt, scheduler=sched), policy, sched)
     two, _, sched2 = results[2]
@@ -259,8 +260,8 @@ def test_ppo_epochs_the_clip_acts_in_the_second_pass(tmp_path, tokenizer, tiny_f
     import rcgrpo_kernels
     from rcgrpo.training.rl_update import trainer_logprobs
     adv = rcgrpo_kernels.group_advantages(batch.rewards, batch.seq_group)
-    old = trainer_logprobs(ctx, _fresh(tiny_folder), batch, 1.0)
-    new = trainer_logprobs(ctx, after_one, batch, 1.0)
+    old = trainer_logprobs(_fresh(tiny_folder), batch, ctx.step_settings(), 1.0)
+    new = trainer_logprobs(after_one, batch, ctx.step_settings(), 1.0)
     m = batch.loss_mask
     ratio = torch.exp(new - old)[m]
     a = adv[rcgrpo_kernels.packing.sequence_ids(torch.nonzero(m).reshape(-1), batch.cu_seqlens)]
@@ -289,12 +290,12 @@ def test_the_first_update_reads_the_reference_off_the_policys_own_pass(tmp_path,
         policy.reference = lambda forward=forward, calls=calls: (calls.append(1), forward())[1]
         opt, sched = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
         policy.train_mode()
-        stats[own] = rl_update(ctx, policy, trajectories, RLLossSettings(beta=0.1), UpdateSettings(), optimizer=opt,
+        stats[own] = rl_update(policy, trajectories, ctx.step_settings(), RLLossSettings(beta=0.1), UpdateSettings(), optimizer=opt,
                                scheduler=sched)
         passes[own] = len(calls)
         after[own] = [p.detach().clone() for p in policy.trainable_parameters()]
         if own:
-            second = rl_update(ctx, policy, trajectories, RLLossSettings(beta=0.1), UpdateSettings(), optimizer=opt,
+            second = rl_update(policy, trajectories, ctx.step_settings(), RLLossSettings(beta=0.1), UpdateSettings(), optimizer=opt,
                                scheduler=sched, step=1)
             assert len(calls) > 0 and second["kl"] > 0
     assert passes[True] == 0 and passes[False] > 0
@@ -308,7 +309,7 @@ def test_mini_batches_take_one_step_each(tmp_path, tokenizer, tiny_folder, sampl
     policy = _fresh(tiny_folder)
     opt, sched = make_optimizer(policy, 1e-3, 0.0, 4, 0.0)
     policy.train_mode()
-    out = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0),
+    out = rl_update(policy, to_trajectories(sampled), ctx.step_settings(), RLLossSettings(beta=0.0),
                     UpdateSettings(updates_per_batch=2, mini_batches=2), optimizer=opt, scheduler=sched)
     assert out["updates"] == 4 and sched.last_epoch == 4
     assert out["loss_tokens"] == sum(sum(r.sampled_mask) for r in sampled)
@@ -327,14 +328,14 @@ def test_shared_prefixes_give_the_update_of_whole_sequences(tmp_path, tokenizer,
     sequence, or one group when prompts are shared; at 16,384 all of them."""
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "u", "--run.report_to", "none",
                       "--run.micro_batch_tokens", str(micro_batch_tokens)], check_files=False)
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    ctx = Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     out, grads = {}, {}
     for share in (True, False):
         model_cfg = parse_args(["--model.share_prefixes", str(share).lower()], check_files=False).model
         policy = TrainablePolicy.load(tiny_folder, model_cfg, torch.device("cpu"), reference=False)
         assert policy.lm.shares_prefixes is share
         policy.train_mode()
-        out[share] = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0), UpdateSettings("group"))
+        out[share] = rl_update(policy, to_trajectories(sampled), ctx.step_settings(), RLLossSettings(beta=0.0), UpdateSettings("group"))
         grads[share] = _grads(policy)
     assert out[True]["loss_tokens"] == out[False]["loss_tokens"]
     assert out[False]["forward_tokens"] == out[False]["batch_tokens"]
@@ -357,7 +358,7 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
     policy = _fresh(tiny_folder)
     policy.train_mode()
     trajectories = to_trajectories(sampled)
-    own = trainer_logprobs(ctx, policy, pack(trajectories), 1.0)
+    own = trainer_logprobs(policy, pack(trajectories), ctx.step_settings(), 1.0)
     # Per-token values back onto each trajectory (the packed batch shifts by one).
     own_trajs, planted, start = [], [], 0
     for t in trajectories:
@@ -370,7 +371,7 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
     def grad_of(trajs, cap):
         for p in policy.trainable_parameters():
             p.grad = None
-        stats = rl_update(ctx, policy, trajs, settings, UpdateSettings("group", tis_cap=cap))
+        stats = rl_update(policy, trajs, ctx.step_settings(), settings, UpdateSettings("group", tis_cap=cap))
         return _grads(policy).clone(), stats
 
     plain, _ = grad_of(own_trajs, None)
@@ -391,7 +392,7 @@ def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base
                       "--run.report_to", "none", "--grpo.steps", "2", "--grpo.batch_size", "1",
                       "--grpo.group_size", "2", "--grpo.max_new_tokens", "8", "--grpo.beta", "0.1",
                       "--grpo.tis_cap", "2", "--grpo.eval_every", "1", "--grpo.eval_rollouts", "3"], check_files=False)
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+    ctx = Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     # The tiny model earns reward 0 everywhere: a policy unlike its reference gives each
     # step a gradient (its KL term), so that no step is skipped and each scores its tokens.
@@ -399,7 +400,7 @@ def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base
         policy.model.model.norm.weight.mul_(1.5)
     policy.equals_reference = False
     engine = HFEngine(_fresh(tiny_folder).model, tokenizer)
-    train_rl(ctx, "rc-grpo", policy, engine, base_entries[:1], finetune_stage="rctp")
+    train_rl_stage(ctx, "rc-grpo", policy, engine, base_entries[:1], finetune_stage="rctp")
     rows = [json.loads(x) for x in (tmp_path / "agree" / "metrics.jsonl").read_text().splitlines()]
     # The learning curve: before the first step, then after each (eval_every 1), under each reward
     # token (an rc-grpo stage after rctp); one entry played 3 times per token.
@@ -440,10 +441,10 @@ def test_a_sum_loss_over_micro_batches_is_the_whole_batchs(tmp_path, tokenizer, 
         cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", f"u{tokens}", "--run.report_to",
                           "none", "--run.micro_batch_tokens", str(tokens), "--model.share_prefixes", "false"],
                          check_files=False)
-        ctx = RunContext(cfg, torch.device("cpu"), tokenizer, tiny_folder)
+        ctx = Run(cfg, torch.device("cpu"), tokenizer, tiny_folder)
         policy = _fresh(tiny_folder)
         policy.train_mode()
-        out[tokens] = rl_update(ctx, policy, to_trajectories(sampled), RLLossSettings(beta=0.0, loss_type="token-sum"),
+        out[tokens] = rl_update(policy, to_trajectories(sampled), ctx.step_settings(), RLLossSettings(beta=0.0, loss_type="token-sum"),
                                 UpdateSettings("rloo"))
         grads[tokens] = _grads(policy)
     assert out[4500]["loss"] == pytest.approx(out[32768]["loss"], rel=1e-5)

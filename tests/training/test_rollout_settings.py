@@ -1,10 +1,10 @@
 """Each stage's rollout settings come from one place
-(rcgrpo.training.context.rollout_settings): the values each stage built
+(rcgrpo.training.rollout_settings.rollout_settings): the values each stage built
 for itself before, every one of them a different number here so that a
 setting read from the wrong section shows."""
 from rcgrpo.config import parse_args
 from rcgrpo.rollout.agent_loop import RolloutConfig
-from rcgrpo.training.context import rollout_settings
+from rcgrpo.training.rollout_settings import rollout_settings
 
 FLAGS = ["--grpo.max_new_tokens", "55", "--grpo.max_total_tokens", "9999", "--grpo.temperature", "0.7",
          "--grpo.top_p", "0.9", "--rctp.failure_temperature", "1.3", "--eval.max_new_tokens", "77",

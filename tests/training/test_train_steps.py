@@ -14,9 +14,9 @@ from rcgrpo.data.expert import expert_turns, play_script, script_from_turns
 from rcgrpo.model.loading import reward_token_ids
 from rcgrpo.model.packing import pack
 from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.pipeline.run import Run
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.engine import SamplingConfig
-from rcgrpo.training.context import RunContext
 from rcgrpo.training.finetune import finetune
 from rcgrpo.training.losses import LOSS_PATHS, RLLossSettings, reference_logprobs, rl_loss, sft_loss
 from rcgrpo.training.optimizer import clip_and_step, make_optimizer
@@ -102,7 +102,7 @@ def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "steps", "--run.checkpoint_every", "0",
                       "--rctp.lr", "1e-4", "--rctp.batch_size", "4", "--rctp.epochs", "1",
                       "--run.report_to", "none"])
-    ctx = RunContext(cfg, torch.device("cpu"), tokenizer, policy.path)
+    ctx = Run(cfg, torch.device("cpu"), tokenizer, policy.path)
     # Fresh copies (the session policy stays as it is), loaded as a stage loads them.
     trained = TrainablePolicy.load(policy.path, cfg.model, torch.device("cpu"), reference=False)
     model = trained.model
@@ -112,7 +112,7 @@ def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
         # RCTP: one optimizer step on reward-tagged conversations
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         records = [chat_record(tokenizer, f"List files {i}", "[ls(a=True)]", HIGH_REWARD, 1.0) for i in range(4)]
-        finetune(ctx, "rctp", trained, [r.trajectory() for r in records], cfg.rctp)
+        finetune(ctx, "rctp", trained, [r.trajectory() for r in records], cfg.rctp, ctx.step_settings())
         err = capsys.readouterr().err
         assert "rctp: 100%" in err and "loss=" in err and "[rctp] done: 1 step; loss " in err
         changed = [n for n, p in model.named_parameters() if not torch.equal(p, start[n])]
@@ -127,7 +127,7 @@ def test_one_rctp_and_one_rcgrpo_step_change_weights_and_engine_output(
         optimizer, scheduler = make_optimizer(trained, 1e-4, 0.0, 1, 0.0)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         trained.train_mode()
-        stats = rl_update(ctx, trained, to_trajectories(real_group), RLLossSettings(beta=0.0), UpdateSettings("group"))
+        stats = rl_update(trained, to_trajectories(real_group), ctx.step_settings(), RLLossSettings(beta=0.0), UpdateSettings("group"))
         grad_norm = clip_and_step(trained, optimizer, scheduler, 1.0)
         trained.eval_mode()
         assert grad_norm > 0 and stats["adv_abs_mean"] > 0 and stats["loss_tokens"] > 0

@@ -34,10 +34,10 @@ from rcgrpo.data.expert import expert_turns, near_misses, play_script, script_fr
 from rcgrpo.data.rctp import build_rctp
 from rcgrpo.model.packing import pack
 from rcgrpo.model.policy import TrainablePolicy
+from rcgrpo.pipeline.run import Run
 from rcgrpo.rollout.agent_loop import RolloutConfig, run_episodes
 from rcgrpo.rollout.hf_engine import HFEngine
-from rcgrpo.training.context import RunContext
-from rcgrpo.training.finetune import finetune
+from rcgrpo.training.finetune import SteerProbe, finetune
 from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
 from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories, trainer_logprobs
@@ -88,13 +88,13 @@ def real_groups(folder, tokenizer, study_entries):
 def _ctx(tmp_path, tokenizer, folder, *flags):
     cfg = parse_args(["--out-dir", str(tmp_path), "--name", "direction", "--run.report_to", "none",
                       "--run.checkpoint_every", "0", "--run.micro_batch_tokens", "8192", *flags], check_files=False)
-    return cfg, RunContext(cfg, torch.device("cpu"), tokenizer, folder)
+    return cfg, Run(cfg, torch.device("cpu"), tokenizer, folder)
 
 
 def logps(ctx, policy, batch) -> torch.Tensor:
     """[N] log-prob of each generated token (0 elsewhere), eval mode, fp64."""
     policy.eval_mode()
-    return trainer_logprobs(ctx, policy, batch, 1.0).double()
+    return trainer_logprobs(policy, batch, ctx.step_settings(), 1.0).double()
 
 
 def per_sequence(values: torch.Tensor, batch) -> torch.Tensor:
@@ -160,7 +160,7 @@ def test_an_rl_update_moves_each_rollout_with_its_advantage(tmp_path, tokenizer,
         settings = RLLossSettings(beta=0.1, loss_type="seq-mean-token-sum", kl_estimator="k3+", clip_ratio_c=3.0,
                                   log_ratio_clamp=20.0, kl_clamp=10.0)
         update = UpdateSettings(advantage_estimator="rloo")
-    stats = rl_update(ctx, policy, trajectories, settings, update, optimizer=optimizer, scheduler=scheduler)
+    stats = rl_update(policy, trajectories, ctx.step_settings(), settings, update, optimizer=optimizer, scheduler=scheduler)
     assert stats["updates"] == epochs and stats["update_skipped"] == 0
     moved = per_sequence(logps(ctx, policy, batch) - before, batch)
     lengths = rcgrpo_kernels.packing.loss_token_counts(batch.loss_mask, batch.cu_seqlens).double()
@@ -199,7 +199,8 @@ def test_rctp_teaches_the_high_tag_to_steer_the_first_divergent_token(tmp_path, 
     ids = reward_token_ids(tokenizer)
     trajectories = [_swap_tags(r.trajectory(), ids) if swapped else r.trajectory() for r in records]
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=False)
-    finetune(ctx, "rctp", policy, trajectories, cfg.rctp, steer_pairs=[pair], steer_every=cfg.rctp.steer_every)
+    steer_probe = SteerProbe([pair], ids[HIGH_REWARD], ids[LOW_REWARD], cfg.rctp.steer_every)
+    finetune(ctx, "rctp", policy, trajectories, cfg.rctp, ctx.step_settings(), steer_probe)
     rows = [json.loads(x) for x in (tmp_path / "direction" / "metrics.jsonl").read_text().splitlines()]
     steer = {r["step"]: r["steer"] for r in rows if "steer" in r}
     assert sorted(steer) == list(range(0, 131, 10))
@@ -228,7 +229,7 @@ def test_a_zero_variance_step_of_the_reference_policy_makes_no_pass(tmp_path, to
     passes = []
     hook = policy.model.register_forward_hook(lambda *_: passes.append(1))
     try:
-        stats = rl_update(ctx, policy, _zero_variance(groups), RLLossSettings(beta=beta), UpdateSettings(),
+        stats = rl_update(policy, _zero_variance(groups), ctx.step_settings(), RLLossSettings(beta=beta), UpdateSettings(),
                           optimizer=optimizer, scheduler=scheduler)
     finally:
         hook.remove()
@@ -242,10 +243,10 @@ def test_after_an_update_a_zero_variance_step_keeps_its_kl_gradient(tmp_path, to
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
     settings = RLLossSettings(beta=0.1)
-    first = rl_update(ctx, policy, groups[0], settings, UpdateSettings(), optimizer=optimizer, scheduler=scheduler)
+    first = rl_update(policy, groups[0], ctx.step_settings(), settings, UpdateSettings(), optimizer=optimizer, scheduler=scheduler)
     assert first["updates"] == 1 and first.get("kl", 0.0) == pytest.approx(0.0, abs=1e-7)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-    second = rl_update(ctx, policy, _zero_variance(groups), settings, UpdateSettings(), optimizer=optimizer,
+    second = rl_update(policy, _zero_variance(groups), ctx.step_settings(), settings, UpdateSettings(), optimizer=optimizer,
                        scheduler=scheduler)
     assert second["update_skipped"] == 0 and second["updates"] == 1 and second["kl"] > 0
     assert second["grad_norm"] > 0 and second["adv_abs_mean"] == 0.0
@@ -307,6 +308,6 @@ def test_ppo_epochs_under_lora_dropout_start_at_ratio_one(tmp_path, tokenizer, t
     policy = TrainablePolicy.load(tiny_folder, cfg.model, torch.device("cpu"), reference=True)
     random_adapters(policy, scale=0.5)  # adapters that matter, so that dropout on them would show
     optimizer, scheduler = make_optimizer(policy, 1e-3, 0.0, 2, 0.0)
-    stats = rl_update(ctx, policy, trajectories, RLLossSettings(beta=0.0), UpdateSettings(updates_per_batch=2),
+    stats = rl_update(policy, trajectories, ctx.step_settings(), RLLossSettings(beta=0.0), UpdateSettings(updates_per_batch=2),
                       optimizer=optimizer, scheduler=scheduler)
     assert stats["updates"] == 2 and stats["clip_frac_pass1"] == 0.0

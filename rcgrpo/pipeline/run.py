@@ -1,54 +1,53 @@
-"""What every stage of a run shares: config, device, folders, the tokenizer,
-how a stage's model is saved for the next stage, and the rollout settings a
-stage plays with (``rollout_settings``)."""
+"""The run: what the stages of one invocation share (config, device,
+tokenizer, folder, training entries, the one rollout engine, the
+environment) and what they hand on (the policy the next stage starts from,
+`current`, and what each left, `produced`). The pipeline builds it once; a
+training stage's loop sees only its narrow face (rcgrpo.training.stage_loop.
+StageRun: resume, save, metrics)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rcgrpo.base import distributed
 from rcgrpo.base.atomic import atomic_write_text
-from rcgrpo.base.stages import RL_STAGES
 from rcgrpo.config import Config
+from rcgrpo.model.loading import added_reward_tokens
+from rcgrpo.model.lora import ADAPTER_DIR
 from rcgrpo.model.policy import TrainablePolicy
-from rcgrpo.rollout.agent_loop import RolloutConfig
+from rcgrpo.model.sharing import make_shareable
+from rcgrpo.pipeline.engine import RunEngine
+from rcgrpo.pipeline.environment import RunEnvironment
+from rcgrpo.pipeline.push import push_finished_stage
 from rcgrpo.run.checkpoint import SaveError, load_latest, save_checkpoint, write_failure
 from rcgrpo.run.folder import RunFolder
 from rcgrpo.run.metrics import DiscardingLogger, MetricsLogger, log_line
+from rcgrpo.training.step_settings import StepSettings
 
 
-def rollout_settings(cfg: Config, stage: str, **overrides) -> RolloutConfig:
-    """The rollout settings of `stage`, read from the config in this one
-    place: an RL stage samples at `grpo.temperature` / `grpo.top_p`; eval
-    plays greedily (or at `grpo.temperature`) up to `eval.max_new_tokens` a
-    reply; rctp-data samples the starting model's failures at
-    `rctp.failure_temperature`, and sft's expert data is cut to the same
-    token budgets. `overrides`: what one call varies (an RL step's seeds and
-    weights version, the loss's temperature)."""
-    common = {"seed": cfg.data.seed, "doc_style": cfg.data.doc_style, "max_total_tokens": cfg.grpo.max_total_tokens}
-    if stage in RL_STAGES:
-        settings = RolloutConfig(max_new_tokens=cfg.grpo.max_new_tokens, temperature=cfg.grpo.temperature,
-                                 top_p=cfg.grpo.top_p, progress=False, **common)
-    elif stage == "eval":
-        settings = RolloutConfig(max_new_tokens=cfg.eval.max_new_tokens,
-                                 temperature=0.0 if cfg.eval.greedy else cfg.grpo.temperature, **common)
-    else:
-        settings = RolloutConfig(max_new_tokens=cfg.grpo.max_new_tokens, temperature=cfg.rctp.failure_temperature,
-                                 progress=True, **common)
-    return dataclasses.replace(settings, **overrides)
+@dataclasses.dataclass
+class Run:
+    """One invocation's run (module docstring): built by rcgrpo.train.open_run,
+    or by hand with the first four fields for a stage run alone."""
 
-
-@dataclass
-class RunContext:
     cfg: Config
     device: torch.device
     tokenizer: object
     base_model_dir: Path  # the starting policy (token-extended)
+    entries: list = dataclasses.field(default_factory=list)  # the training entries
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # the reward tokens' ids
+    engine: RunEngine | None = None
+    current: Path | None = None  # where the next stage starts: the base until a stage hands on
+    environment: RunEnvironment = dataclasses.field(default_factory=RunEnvironment)
+    produced: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if self.current is None:
+            self.current = self.base_model_dir
 
     @property
     def run_dir(self) -> Path:
@@ -57,6 +56,32 @@ class RunContext:
     @property
     def folder(self) -> RunFolder:
         return RunFolder(self.cfg.run_dir)
+
+    @property
+    def success_threshold(self) -> float:
+        """The reward a success reaches (RCTP's high label): BFCL's 1, else env.success_threshold."""
+        return 1.0 if self.environment.is_bfcl else self.environment.tool_env.success_threshold
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def step_settings(self) -> StepSettings:
+        """What a training stage's steps read of the run (rcgrpo.training.step_settings)."""
+        return StepSettings.from_config(self.cfg, self.device)
+
+    def load_policy(self, reference: bool) -> TrainablePolicy:
+        """The policy the next stage starts from (`current`)."""
+        return TrainablePolicy.load(self.current, self.cfg.model, self.device, reference=reference,
+                                    token_ids=self.token_ids)
+
+    def hand_on(self, stage: str, policy: TrainablePolicy, info: dict) -> None:
+        """A trained stage's last step: its policy exported where the next
+        stage starts, the stage marked done, pushed to the Hub if asked."""
+        self.current = self.export_model(stage, policy, start=self.current)
+        self.mark_done(stage, info)
+        push_finished_stage(self, stage)
+        self.produced.append(str(self.current))
 
     def stage_model_dir(self, stage: str) -> Path:
         """Where a finished stage leaves its policy for the next stage."""
@@ -91,10 +116,6 @@ class RunContext:
         policy.export(folder, dtype)
         if not policy.lora:
             return
-        from rcgrpo.model.loading import added_reward_tokens
-        from rcgrpo.model.lora import ADAPTER_DIR
-        from rcgrpo.model.sharing import make_shareable
-
         model_id = self.cfg.model.name_or_path
         why_not = make_shareable(folder / ADAPTER_DIR, stage=stage, model_id=model_id, tokenizer=self.tokenizer,
                                  added_tokens=added_reward_tokens(self.base_model_dir, self.tokenizer),
