@@ -10,8 +10,8 @@ look plausible: the loss still falls, the old and reference log-probs drift
 from the engine's (verl reports such divergence under tree attention), and
 nothing fails. So every stage that forwards with sharing checks it, on a
 sample of the first micro-batch it trains on that shares a prefix and has
-loss tokens (`parity_sample`: two of its sequences cut to the shortest
-prefix two of them share, plus a tail of each, every tail token scored):
+loss tokens (`parity_sample`: a branch and its root, each cut to a window
+around the token where they part, the tokens after it scored):
 
     tree_parity_max_abs = max over its loss tokens of |log p_tree - log p_dense|   (nats)
 
@@ -31,8 +31,8 @@ then sees; a refusal there voids it with the rest).
 When: once per stage invocation by default (a resumed stage checks again),
 then every `model.parity_check_every` steps where asked. Its cost is two
 extra no-gradient forwards of the sample (tree and dense; the training pass
-cannot be reused: it runs with dropout and gradient): a few hundred tokens
-on BFCL, not the micro-batch (whose dense forward, every sequence whole, cost
+cannot be reused: it runs with dropout and gradient): ~200 tokens, not the
+micro-batch (whose dense forward, every sequence whole, cost
 the default run ~30 s a stage on 2 CPU cores). It is logged as `tree_parity_s` with the
 figure and printed on one line, so it can neither run every step unnoticed
 (the Unsloth failure: a silent fallback that ran an extra forward per step)
@@ -69,8 +69,8 @@ from rcgrpo.run.metrics import log_line
 from rcgrpo.training.lockstep import padding_batch
 from rcgrpo.training.losses import LossPath, token_logprobs
 
-__all__ = ["PARITY_BOUNDS", "PARITY_METRICS", "PARITY_TAIL", "TreeParityError", "parity_bound", "parity_sample",
-           "shares_a_prefix", "tree_vs_dense", "ParityOracle"]
+__all__ = ["PARITY_BOUNDS", "PARITY_METRICS", "PARITY_PREFIX", "PARITY_TAIL", "TreeParityError", "parity_bound",
+           "parity_sample", "shares_a_prefix", "tree_vs_dense", "ParityOracle"]
 
 # Max |log p_tree - log p_dense| over one micro-batch's loss tokens (nats),
 # per compute dtype. Both forwards compute the same sums in differently
@@ -92,7 +92,9 @@ PARITY_BOUNDS = {torch.float32: 1e-3, torch.bfloat16: 2.0}
 PARITY_METRICS = ("tree_parity_max_abs", "tree_parity_mean_abs", "tree_parity_bound", "tree_parity_tokens",
                   "tree_parity_s")
 
-# Tokens each sequence of the check's sample keeps past the prefix the two share (parity_sample).
+# The check's sample (parity_sample): the tokens of the shared prefix it keeps, and of each
+# sequence after it. The prefix is longer than MIN_SHARED_TOKENS, so the tree forward shares it.
+PARITY_PREFIX = 64
 PARITY_TAIL = 32
 
 SHARING_OFF = "--model.share_prefixes false"  # the setting a refusal names: every sequence forwarded whole
@@ -123,34 +125,31 @@ def shares_a_prefix(batch: PackedBatch) -> bool:
 
 
 def parity_sample(batch: PackedBatch) -> PackedBatch:
-    """Where the check is cheapest: two sequences of `batch` that share a
-    prefix, the pair that shares the shortest one (at least
-    MIN_SHARED_TOKENS: a sequence and the root of its path in the tree),
-    each cut to that prefix plus up to PARITY_TAIL tokens of its own, every
-    kept token past the prefix scored. The tree forward reads the second's
-    prefix from the first's rows, as every branch of the batch does: a
-    broken tree (a wrong mask, position or gather; one key short: 9.5 nats
-    on the 135M model) is broken there too, and a causal forward's rows up
-    to the cut are what they are in the whole sequences. On BFCL the
-    shortest shared prefix is the 149-token system preamble when the batch
-    holds two entries, a whole prompt (~2k tokens) when it holds one.
-    `batch` itself when no two of its sequences share a prefix."""
+    """Where the check is cheapest: the first branch of `batch`'s tree and
+    the root it reads its prefix from, each cut to a window around the token
+    where they part: the last PARITY_PREFIX tokens of the prefix they share
+    and up to PARITY_TAIL tokens of each after it, the tails scored. The
+    tree forward reads the second's window of the prefix from the first's
+    rows, as every branch of the batch reads its prefix: a broken tree (a
+    wrong mask, position or gather; one key short: 9.5 nats on the 135M
+    model) breaks there too. Both forwards see the same windows, so the
+    check compares like with like at ~200 tokens instead of the micro-batch's
+    thousands (a BFCL prompt alone is ~2k). `batch` itself when none of its
+    sequences reads a prefix of another."""
     layout = prefix_layout(batch)
     cu = batch.cu_seqlens.tolist()
     ids, pos = batch.input_ids.cpu(), batch.position_ids.cpu()
-
-    def shared(a: int, b: int) -> int:
-        return min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
-                   common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
-
-    pairs = [(shared(root, b), root, b) for b, root in enumerate(layout.seq_root) if root != b]
-    pairs = [(n, a, b) for n, a, b in pairs if n >= MIN_SHARED_TOKENS and cu[b] + n < cu[b + 1]]
-    if not pairs:
-        return batch
-    n, a, b = min(pairs)
-    cut = [ids[cu[s]:min(cu[s] + n + PARITY_TAIL, cu[s + 1])].tolist() for s in (a, b)]
-    sample = pack([Trajectory(t, [0] * n + [1] * (len(t) - n), group=0) for t in cut])
-    return with_prefix_layout(sample.to(batch.input_ids.device))
+    for b, a in enumerate(layout.seq_root):
+        if a == b:
+            continue
+        shared = min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
+                     common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
+        if shared >= MIN_SHARED_TOKENS and cu[b] + shared < cu[b + 1]:
+            start = shared - min(shared, PARITY_PREFIX)
+            windows = [ids[cu[s] + start:min(cu[s] + shared + PARITY_TAIL, cu[s + 1])].tolist() for s in (a, b)]
+            sample = pack([Trajectory(w, [0] * (shared - start) + [1] * (len(w) - shared + start)) for w in windows])
+            return with_prefix_layout(sample.to(batch.input_ids.device))
+    return batch
 
 
 def _dense(lm: PackedLM) -> PackedLM:

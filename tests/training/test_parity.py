@@ -23,6 +23,7 @@ from rcgrpo.training.finetune import finetune
 from rcgrpo.training.losses import LOSS_PATHS
 from rcgrpo.training.parity import (
     PARITY_METRICS,
+    PARITY_PREFIX,
     PARITY_TAIL,
     TreeParityError,
     parity_bound,
@@ -73,23 +74,21 @@ def test_the_tree_forward_equals_the_dense_one_within_the_bound(tiny_folder, gro
     assert precision == dtype and float(diff.max()) <= bound, float(diff.max())
 
 
-def test_the_check_samples_the_shortest_shared_prefix_and_a_tail_of_each(group):
-    """The sample: two of the batch's sequences that share the shortest
-    prefix any branch shares with its root, cut to it plus PARITY_TAIL
-    tokens each, the tails scored; its tree forward still reads the second
-    from the first's rows."""
+def test_the_check_samples_a_window_where_a_branch_leaves_its_root(group):
+    """The sample: the batch's first branch and its root, each cut to the
+    last PARITY_PREFIX tokens of the prefix they share and PARITY_TAIL after
+    it, the tails scored; its tree forward still shares the window's prefix."""
     batch = with_prefix_layout(pack(group))
     sample = parity_sample(batch)
     ids, cu = batch.input_ids, batch.cu_seqlens.tolist()
-    seqs = [ids[cu[s]:cu[s + 1]] for s in range(batch.num_seqs)]
-    shortest = min(common_prefix_length(seqs[a], seqs[b]) for b in range(len(seqs)) for a in range(b))
-    assert shortest >= prefix_sharing.MIN_SHARED_TOKENS
-    first, second = (sample.input_ids[lo:hi] for lo, hi in zip(sample.cu_seqlens[:-1], sample.cu_seqlens[1:]))
-    assert common_prefix_length(first, second) == shortest and shares_a_prefix(sample)
-    assert all(len(t) <= shortest + PARITY_TAIL and any(torch.equal(t, s[:len(t)]) for s in seqs)
-               for t in (first, second))
-    assert sample.num_loss_tokens == sample.num_tokens - 2 * shortest > 0
-    # A batch with no two sequences sharing a prefix is checked whole.
+    a, b = 0, next(s for s, root in enumerate(batch.prefix_layout.seq_root) if root != s)
+    shared = common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]])
+    assert shared > PARITY_PREFIX  # the group's prompt: the window is cut from it
+    start = shared - PARITY_PREFIX
+    windows = [ids[cu[s] + start:min(cu[s] + shared + PARITY_TAIL, cu[s + 1])] for s in (a, b)]
+    assert torch.equal(sample.input_ids, torch.cat(windows)) and sample.seq_lens == [len(w) for w in windows]
+    assert sample.num_loss_tokens == sample.num_tokens - 2 * PARITY_PREFIX > 0 and shares_a_prefix(sample)
+    # A batch whose sequences read no prefix of another is checked whole.
     alone = pack(group[:1])
     assert parity_sample(alone) is alone
 
