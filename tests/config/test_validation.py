@@ -311,7 +311,7 @@ def test_reading_a_config_loads_no_model_library():
     before counts. (torch comes with the loss types' registry in kernels.)"""
     code = ("import sys; from rcgrpo.config import parse_args; parse_args([]); "
             "assert not {'transformers', 'vllm', 'bfcl_eval'} & set(sys.modules), 'a model library imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 TEXT_KEYS = [k for k, (tp, _) in C.all_keys().items() if str in (tp, optional_inner(tp))]
