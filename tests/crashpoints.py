@@ -75,7 +75,7 @@ def _sweep(workdir: Path) -> None:
     torch.set_num_threads(1)  # the sweep forks: keep this process free of worker threads
     from rcgrpo.model.loading import load_model_weights
     from rcgrpo.run.checkpoint import load_latest, save_checkpoint
-    from tests.test_checkpoint import tiny_model
+    from tests.run.test_checkpoint import tiny_model
 
     def weights(seed):
         model = tiny_model(seed)

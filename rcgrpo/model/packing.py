@@ -39,7 +39,7 @@ So ``logp = token_logprobs(logits[i], targets[i])`` lines up with
 ``rcgrpo_kernels.grpo_loss`` / ``rcgrpo_kernels.fused_linear_grpo_loss`` take.
 
 ``rcgrpo_kernels.packing.next_token_targets(input_ids, sampled_mask, cu_seqlens)``
-returns exactly ``(targets, loss_mask)`` of this module (tests/test_batch.py).
+returns exactly ``(targets, loss_mask)`` of this module (tests/model/test_packing.py).
 
 This module is data only: the model's forward over a packed batch is
 ``rcgrpo.model.policy.TrainablePolicy`` (attention kept inside each sequence by

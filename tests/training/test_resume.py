@@ -4,7 +4,7 @@ never interrupted, and its metrics continue from the right step.
 
 The kill is a real SIGKILL of the trainer process at a chosen line of the save
 (tests/crashpoints.py), not after a fixed delay; every line of the save is
-covered at the checkpoint level by tests/test_checkpoint.py."""
+covered at the checkpoint level by tests/run/test_checkpoint.py."""
 import json
 import os
 import signal

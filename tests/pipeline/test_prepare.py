@@ -184,7 +184,7 @@ def test_a_group_too_big_for_the_host_is_refused_by_the_memory_plan(tmp_path):
     line = one_error_line(proc, "rcgrpo.train")
     assert "memory plan: stage rc-grpo does not fit" in line
     assert "rollouts held (16384000: grpo.batch_size 16384 x grpo.group_size 1000" in line
-    assert "ways out: " in line  # which depends on the host's memory (tests/test_memory.py names them)
+    assert "ways out: " in line  # which depends on the host's memory (tests/training/test_memory_plan.py names them)
     assert not (tmp_path / "runs").exists()
 
 

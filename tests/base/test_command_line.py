@@ -20,7 +20,7 @@ from rcgrpo.config import cli as config_cli
 from rcgrpo.evaluation import cli as eval_cli
 from rcgrpo.report import cli as report_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_command_has_its_console_script():

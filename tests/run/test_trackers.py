@@ -2,7 +2,7 @@
 is one line before any work; the old run.tensorboard still works and says
 what replaces it; W&B and MLflow get every step's numbers (with the real
 packages, where installed: they are not in the dev extra, so CI skips those
-two; TensorBoard's path is tests/test_metrics.py's)."""
+two; TensorBoard's path is tests/run/test_metrics.py's)."""
 import importlib.util
 
 import pytest

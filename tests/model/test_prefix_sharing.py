@@ -175,7 +175,7 @@ def test_shared_forward_and_backward_equal_separate_sequences(attn, checkpointin
 
 
 def test_flash_attention_shares_under_tree_attention():
-    """flash-attn's varlen kernel runs the prefix tree too (tests/test_tree_attention.py
+    """flash-attn's varlen kernel runs the prefix tree too (tests/model/test_tree_attention.py
     checks its call on CPU); the setting alone turns sharing off."""
     from rcgrpo.model.attention import TREE_PREFIX
 

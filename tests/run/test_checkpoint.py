@@ -25,7 +25,7 @@ from rcgrpo.run.checkpoint import (
     verify_checkpoint,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_model(seed=0):
@@ -315,7 +315,7 @@ import resource, signal, sys
 from pathlib import Path
 from rcgrpo.run.checkpoint import save_checkpoint
 from rcgrpo.base.errors import run_command
-from tests.test_checkpoint import make_run, train_steps
+from tests.run.test_checkpoint import make_run, train_steps
 
 root, part = Path(sys.argv[1]), sys.argv[2]
 model, opt, sched = make_run()
@@ -360,7 +360,7 @@ import torch
 from rcgrpo.config import parse_args
 from rcgrpo.base.errors import run_command
 from rcgrpo.pipeline.run import Run
-from tests.test_checkpoint import tiny_model, tiny_tokenizer
+from tests.run.test_checkpoint import tiny_model, tiny_tokenizer
 
 cfg = parse_args(["--out-dir", sys.argv[1], "--name", "r"], check_files=False)
 ctx = Run(cfg, torch.device("cpu"), tiny_tokenizer(), Path("."))

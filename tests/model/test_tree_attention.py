@@ -13,7 +13,12 @@ import torch
 from rcgrpo.model.packing import Trajectory, pack
 from rcgrpo.model.prefix_sharing import shared_prefix_layout
 from rcgrpo.model.tree_attention import tree_attention, tree_attention_plan, varlen_inputs
-from tests.test_prefix_sharing import _tiny_llama, assert_shared_equals_separate, bfcl_shaped, visible_by_definition
+from tests.model.test_prefix_sharing import (
+    _tiny_llama,
+    assert_shared_equals_separate,
+    bfcl_shaped,
+    visible_by_definition,
+)
 
 
 def flash_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,

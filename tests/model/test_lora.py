@@ -209,7 +209,7 @@ def test_one_lora_rctp_step_changes_both_reward_token_rows_and_the_export_holds_
         policy, tokenizer, trajectories, tmp_path):
     """Under LoRA the embeddings are frozen but the reward-token rows train:
     one RCTP step on tagged records (both tokens) moves both rows, and the
-    merged export carries the moved rows (tests/test_lora_swap.py:
+    merged export carries the moved rows (tests/model/test_lora_swap.py:
     the engine too)."""
     from safetensors.torch import load_file
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("learning", Path(__file__).parents[1] / "benchmarks" / "learning.py")
+SPEC = importlib.util.spec_from_file_location("learning", Path(__file__).parents[2] / "benchmarks" / "learning.py")
 learning = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(learning)
 
