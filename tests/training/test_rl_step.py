@@ -21,6 +21,7 @@ from rcgrpo.rollout.hf_engine import HFEngine
 from rcgrpo.training.dynamic_sampling import dynamic_sampling
 from rcgrpo.training.losses import RLLossSettings
 from rcgrpo.training.optimizer import make_optimizer
+from rcgrpo.training.parity import PARITY_TAIL
 from rcgrpo.training.rl_loop import prompt_schedule
 from rcgrpo.training.rl_update import UpdateSettings, rl_update, to_trajectories
 
@@ -420,7 +421,8 @@ def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base
         assert {"seq_log_ratio_mean", "seq_log_ratio_abs_max", "tis_capped_frac"} <= set(r)
     # The tree parity oracle checked the stage's first update (its group shares the prompt), and only it.
     assert 0 <= rows[0]["tree_parity_max_abs"] <= rows[0]["tree_parity_bound"] == 1e-3
-    assert rows[0]["tree_parity_tokens"] == rows[0]["loss_tokens"] and "tree_parity_max_abs" not in rows[1]
+    # Checked on its sample (a window where a branch leaves its root), once.
+    assert 0 < rows[0]["tree_parity_tokens"] <= 2 * PARITY_TAIL and "tree_parity_max_abs" not in rows[1]
     # The bar's last state carries the step's figures; the stage ends with its verdict.
     err = capsys.readouterr().err
     assert err.count("[rc-grpo] tree parity at step 1: max |log p tree - log p dense| ") == 1
