@@ -21,6 +21,7 @@ def test_an_old_path_is_the_moved_module_with_a_warning(old, new, monkeypatch):
     assert module.__spec__.name == new  # its own spec back, so a reload reloads the real module
 
 
+@pytest.mark.slow  # a fresh interpreter is the subject (~2 s)
 def test_an_old_from_import_works_in_a_fresh_process():
     """As user code written against 0.1 does it: `from rcgrpo.X import name`."""
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"

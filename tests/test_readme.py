@@ -33,7 +33,8 @@ def _marker(line: int) -> str:
     return README.splitlines()[line - 2]
 
 
-# A block whose marker says "slow" (it trains) runs in `make test`, not in `make test-fast`.
+# A block whose marker says "slow" runs in `make test`, not in `make test-fast`: one that trains, and
+# every one that starts Python (a fresh interpreter imports torch: 2-4 s a block on 2 cores).
 PARAMS = [pytest.param(line, lang, code, id=f"README.md:{line}",
                        marks=[pytest.mark.slow] if "slow" in _marker(line) else [])
           for line, lang, code in BLOCKS]

@@ -47,6 +47,7 @@ def test_help_lists_every_setting(capsys):
         assert f"--{key} " in out
 
 
+@pytest.mark.slow  # what a fresh interpreter imports is the subject (~2.5 s)
 def test_reading_a_config_loads_no_model_library():
     """Validating a config stays fast: a fresh interpreter, so nothing imported
     before counts. (torch comes with the loss types' registry in kernels.)"""

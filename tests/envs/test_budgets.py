@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from rcgrpo.envs.bfcl import Episode, EpisodeBudget
 from rcgrpo.envs.bounded_thread import CALL_MEMORY_BUDGET_BYTES, BoundedThread
 from rcgrpo.envs.bounded_worker import WorkerOutcome
@@ -33,6 +35,7 @@ def built_tree(entry, levels: int, **episode_args) -> Episode:
     return episode
 
 
+@pytest.mark.slow  # every entry's ground truth played (~5 s)
 def test_bounds_sit_above_every_ground_truth(entries):
     # None of the bounds may change what a ground-truth trajectory sees.
     most_calls = most_text = most_episode_text = 0
@@ -118,6 +121,7 @@ print(json.dumps(dict(text=text, seconds=time.monotonic() - started, before=befo
     assert report["seconds"] < 5
 
 
+@pytest.mark.slow  # builds a deep tree and waits out two bounds (~3 s)
 def test_environment_time_per_episode_is_bounded(by_id):
     entry = by_id[FILE_SYSTEM_ENTRY]
     episode = built_tree(entry, 30, call_timeout_s=1.0)
@@ -155,6 +159,7 @@ def test_an_episode_stopped_by_its_budget_on_the_last_turn_earns_nothing(entries
     assert (result.r_state, result.r_action, result.reward) == (1.0, 1.0, 0.0)
 
 
+@pytest.mark.slow  # builds a deep tree twice and waits out two bounds (~3 s)
 def test_call_bounds_hold_off_the_main_thread_and_leave_the_callers_timer_alone(by_id):
     entry = by_id[FILE_SYSTEM_ENTRY]
     fired = []
@@ -185,6 +190,7 @@ def test_call_bounds_hold_off_the_main_thread_and_leave_the_callers_timer_alone(
     assert results["text"] == "Error during execution: call exceeded the 0.6 s limit" and results["seconds"] < 5
 
 
+@pytest.mark.slow  # 150 races of a call against its bound (~5 s)
 def test_a_stop_never_reaches_the_next_call():
     # Calls that end right at their bound race the stop against their own
     # end: whichever wins, the next call runs whole and sees no stray stop.

@@ -109,6 +109,7 @@ def test_depth_bound_holds_for_every_text_that_parses(text):
     assert _tree_depth(tree.body) <= expression_depth_bound(body)
 
 
+@pytest.mark.slow  # decodes the ground truth of every entry (~3 s)
 def test_ordinary_replies_are_far_inside_the_bound(by_id):
     """Every ground-truth call of every entry decodes: the bound costs nothing real."""
     from rcgrpo.envs.reward import ground_truth

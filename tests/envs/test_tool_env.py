@@ -154,6 +154,7 @@ def test_a_tool_that_fails_is_an_error_result(tokenizer, tool, expect):
     assert texts[1] == "total=5" and r.reward == 1.0  # the episode goes on after it
 
 
+@pytest.mark.slow  # waits out the call's bound and the stop's grace (~5 s)
 def test_a_tool_stuck_in_native_code_is_abandoned_and_ends_its_rollout(tokenizer, caplog):
     env = environment(tokenizer, factory=Misbehaving, call_timeout_s=0.5)
     started = time.monotonic()

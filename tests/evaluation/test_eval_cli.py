@@ -7,6 +7,7 @@ import pytest
 
 from rcgrpo.envs.bfcl import load_entries
 from rcgrpo.envs.reward import ground_truth
+from rcgrpo.eval import main
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +15,7 @@ def by_id():
     return {e.id: e for e in load_entries()}
 
 
-def test_replay_cli_scores_lines_and_reports_bad_ones(tmp_path, by_id):
+def test_replay_cli_scores_lines_and_reports_bad_ones(tmp_path, by_id, capsys):
     entry = by_id["multi_turn_base_1"]
     gt_turns = [[list(t)] if t else [] for t in ground_truth(entry).canonical_turns()]
     src = tmp_path / "in.jsonl"
@@ -29,9 +30,7 @@ def test_replay_cli_scores_lines_and_reports_bad_ones(tmp_path, by_id):
         json.dumps({"id": entry.id, "turns": gt_turns}),  # and scoring goes on after them
     ]) + "\n")
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--replay", str(src), "--out", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    assert main(["--replay", str(src), "--out", str(out)]) == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 8
     assert rows[0] == {"id": entry.id, "valid": True, "r_state": 1.0, "r_action": 1.0, "reward": 1.0}

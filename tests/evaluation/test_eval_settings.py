@@ -2,6 +2,7 @@
 (its run's config.toml, explicit flags, built-in defaults). No engine starts."""
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ from rcgrpo.config import parse_args, save_config
 from rcgrpo.eval import main
 from rcgrpo.evaluation.settings import EvalSettingsError, resolve_eval_settings
 from rcgrpo.model.loading import EMBEDDED
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def flags(**given):
@@ -181,11 +184,13 @@ def test_a_broken_run_config_is_one_line_naming_it(in_tmp, capsys, text, says):
     assert "\n" not in err and "runs/run/config.toml" in err and says in err
 
 
+@pytest.mark.slow  # the command's entry point in a fresh interpreter (~2.5 s); main's exit codes: above
 def test_a_broken_run_config_exits_2_from_the_command_line(in_tmp):
     model = make_run(in_tmp, stage="sft")
     (in_tmp / "runs" / "run" / "config.toml").write_text("not = = toml\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "rcgrpo.eval", "--model", str(model)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)  # this checkout's rcgrpo, from any folder
     assert proc.returncode == 2, proc.stderr
     assert "runs/run/config.toml" in proc.stderr and "Traceback" not in proc.stderr
 

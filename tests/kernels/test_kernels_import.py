@@ -22,6 +22,7 @@ def _python(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # what a fresh interpreter imports is the subject (~2 s)
 def test_import_without_rcgrpo_or_gpu():
     res = _python(
         "import json, sys, torch\n"
@@ -55,6 +56,7 @@ def test_not_mistaken_for_hf_kernels_package():
     assert res["available"] is False
 
 
+@pytest.mark.slow  # what a fresh interpreter imports is the subject (~2 s)
 def test_first_name_gives_the_same_modules_not_copies():
     """``import kernels`` (the first name, the repository root's kernels.py)
     is ``rcgrpo_kernels`` itself, submodules included: a loss type registered

@@ -126,6 +126,7 @@ def test_a_stage_adapter_loads_onto_the_users_model_with_transformers_and_peft_a
     assert diff < 1e-4, diff
 
 
+@pytest.mark.slow  # saves and converts a model folder (~3.5 s)
 def test_the_conversion_is_announced_with_its_size(tmp_path, tokenizer, monkeypatch, capsys):
     """The token-extended copy of a model without the tokens is the disk
     plan's item: said with its size before it is written, refused when the

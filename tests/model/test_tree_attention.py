@@ -185,6 +185,7 @@ def bfcl_rollouts(entries, tokenizer, shape: str):
     return out
 
 
+@pytest.mark.slow  # forwards and backwards on real BFCL groups, plain and LoRA (~2-4 s each)
 @pytest.mark.parametrize("shape", ["rc-grpo", "rctp"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_real_bfcl_groups_tree_equals_dense_plain_and_lora(shape, lora, entries, tokenizer, tiny_folder):

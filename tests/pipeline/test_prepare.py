@@ -2,10 +2,12 @@
 
 A problem the user can fix is found before any model loads and before the
 run folder is made, and is one line with exit code 2; a run that does what
-was asked ends with exit code 0. The CLI defects are checked through the
-command line in a subprocess; their variations in-process through `main`,
-with the model loaders replaced by tripwires, so that a check that comes too
-late fails the test instead of loading a model.
+was asked ends with exit code 0. Each defect is checked through a command's
+`main` (argv in; exit code, stdout and stderr out), in-process and with the
+model loaders replaced by tripwires, so that a check that comes too late
+fails the test instead of loading a model. The commands' own entry points
+(`python -m rcgrpo.train`, exit codes 2 and 0) run in a subprocess once,
+where the process is the subject: a file-size limit on the process (slow).
 """
 from __future__ import annotations
 
@@ -23,12 +25,30 @@ from rcgrpo.base.errors import DEBUG_ENV
 from rcgrpo.conditioning.reward_tokens import HIGH_REWARD
 
 ENTRY = "multi_turn_base_100"  # one of the cpu-small preset's entries (its prompt fits)
+ROOT = Path(__file__).resolve().parents[2]
+MAINS = {"rcgrpo.train": train_cli.main, "rcgrpo.eval": eval_cli.main}
 
 
-def cli(cwd: Path, module: str, *args: str, timeout: int = 300, preexec=None) -> subprocess.CompletedProcess:
+def cli_process(cwd: Path, module: str, *args: str, timeout: int = 300, preexec=None) -> subprocess.CompletedProcess:
+    """`python -m module args` in a fresh interpreter, importing this checkout's rcgrpo."""
     env = {k: v for k, v in os.environ.items() if k != DEBUG_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout, preexec_fn=preexec)
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`python -m module args` run from `cwd` as its `main`, in this process:
+    the exit code main returns and what it wrote, as a CompletedProcess."""
+    def run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(cwd)
+        monkeypatch.delenv(DEBUG_ENV, raising=False)
+        capsys.readouterr()
+        code = MAINS[module](list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess([module, *args], code, out, err)
+    return run
 
 
 def one_error_line(proc: subprocess.CompletedProcess, prog: str) -> str:
@@ -90,7 +110,7 @@ def test_rctp_data_file_fields_are_checked_before_the_model_loads(tmp_path, caps
     assert not runs.exists()  # found before the run folder was made
 
 
-def test_rctp_token_id_outside_the_vocabulary_through_the_cli(tmp_path):
+def test_rctp_token_id_outside_the_vocabulary_through_the_cli(tmp_path, cli, no_model_loads):
     """Before: the model loaded, then its embedding failed (internal error, exit 1)."""
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(record(token_ids=[1, 49154, 3])) + "\n")  # 49154 rows: ids 0..49153
@@ -136,7 +156,7 @@ def test_eval_empty_model_or_replay_path_is_refused(capsys, no_model_loads, argv
     assert f"error: {argv[0]} must not be an empty string" in one_line_error(capsys, "rcgrpo.eval")
 
 
-def test_eval_subset_0_through_the_cli(tmp_path):
+def test_eval_subset_0_through_the_cli(tmp_path, cli, no_model_loads):
     """Before: the model loaded, 0 entries were evaluated, exit 0."""
     proc = cli(tmp_path, "rcgrpo.eval", "--model", "embedded:smollm2-135m-instruct", "--subset", "0")
     assert "error: --subset must be >= 1, got 0" in one_error_line(proc, "rcgrpo.eval")
@@ -169,18 +189,18 @@ def test_empty_and_out_of_bound_settings_are_one_line_before_the_run_starts(caps
     assert says in line and "; " not in line.split("invalid configuration: ", 1)[1], line  # said once
 
 
-def test_empty_name_through_the_cli(tmp_path):
-    proc = cli(tmp_path, "rcgrpo.train", "--name", "", "--out-dir", "runs", timeout=120)
+def test_empty_name_through_the_cli(tmp_path, cli, no_model_loads):
+    proc = cli(tmp_path, "rcgrpo.train", "--name", "", "--out-dir", "runs")
     assert "run.name must not be an empty string" in one_error_line(proc, "rcgrpo.train")
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_group_too_big_for_the_host_is_refused_by_the_memory_plan(tmp_path):
+def test_a_group_too_big_for_the_host_is_refused_by_the_memory_plan(tmp_path, cli, no_model_loads):
     """Before: accepted, and the rollouts of a step (batch x group) were held
     in memory until it ran out. Within the schema's bounds, the memory plan
     names the setting, its figure and a group size that fits."""
     proc = cli(tmp_path, "rcgrpo.train", "--grpo.group_size", "1000", "--grpo.batch_size", "16384",
-               "--out-dir", "runs", timeout=120)
+               "--out-dir", "runs")
     line = one_error_line(proc, "rcgrpo.train")
     assert "memory plan: stage rc-grpo does not fit" in line
     assert "rollouts held (16384000: grpo.batch_size 16384 x grpo.group_size 1000" in line
@@ -215,17 +235,18 @@ def _limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow  # two fresh interpreters, one under a file-size limit, the retry collecting data (~12 s)
 def test_a_start_that_fails_after_making_its_folder_removes_it_and_the_retry_keeps_the_name(tmp_path):
     """A real failure after the folder is claimed: writing config.toml fails
     (a file-size limit of 1 kB, an EFBIG as a full disk gives ENOSPC). Before:
     the folder stayed, holding a lock file and an empty config.toml, and the
     retry ran as d-2 with a hint to --resume a run that never began."""
-    proc = cli(tmp_path, "rcgrpo.train", "--stages", "rctp-data", "--out-dir", "runs", "--name", "d",
-               preexec=_limit_file_size(1024))
+    proc = cli_process(tmp_path, "rcgrpo.train", "--stages", "rctp-data", "--out-dir", "runs", "--name", "d",
+                       preexec=_limit_file_size(1024))
     assert "File too large" in one_error_line(proc, "rcgrpo.train")
     assert list((tmp_path / "runs").iterdir()) == []
     # The retry is data collection alone: it finishes with exit 0 and says what it made.
-    retry = cli(tmp_path, "rcgrpo.train", "--stages", "rctp-data", "--out-dir", "runs", "--name", "d")
+    retry = cli_process(tmp_path, "rcgrpo.train", "--stages", "rctp-data", "--out-dir", "runs", "--name", "d")
     assert retry.returncode == 0, retry.stderr[-3000:]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["d"] and "--resume" not in retry.stderr
     data = Path("runs") / "d" / "rctp_data.jsonl"
@@ -257,17 +278,17 @@ TOO_DEEP = b"[" * 100_000 + b"]" * 100_000
 NOT_AN_OBJECT = b"[1, 2]"
 
 
-def test_a_config_file_not_utf8_through_the_cli(tmp_path):
+def test_a_config_file_not_utf8_through_the_cli(tmp_path, cli, no_model_loads):
     """Before: internal error: UnicodeDecodeError (exit 1)."""
     (tmp_path / "c.toml").write_bytes(b"[grpo]\nlr = 1e-6\n\xff\xfe\n")
-    proc = cli(tmp_path, "rcgrpo.train", "--config", "c.toml", "--out-dir", "runs", timeout=120)
+    proc = cli(tmp_path, "rcgrpo.train", "--config", "c.toml", "--out-dir", "runs")
     assert "config file c.toml is not UTF-8 text (byte 17" in one_error_line(proc, "rcgrpo.train")
 
 
-def test_a_config_file_nested_too_deeply_through_the_cli(tmp_path):
+def test_a_config_file_nested_too_deeply_through_the_cli(tmp_path, cli, no_model_loads):
     """Before: internal error: RecursionError (exit 1)."""
     (tmp_path / "c.toml").write_bytes(b"a = " + TOO_DEEP + b"\n")
-    proc = cli(tmp_path, "rcgrpo.train", "--config", "c.toml", "--out-dir", "runs", timeout=120)
+    proc = cli(tmp_path, "rcgrpo.train", "--config", "c.toml", "--out-dir", "runs")
     assert "config file c.toml is not valid TOML: nested too deeply to read" in one_error_line(proc, "rcgrpo.train")
 
 
@@ -289,10 +310,10 @@ def test_a_model_folder_whose_config_json_cannot_be_used(tmp_path, capsys, no_mo
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_model_config_json_not_utf8_through_the_cli(tmp_path):
+def test_a_model_config_json_not_utf8_through_the_cli(tmp_path, cli, no_model_loads):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_bytes(NOT_UTF8)
-    proc = cli(tmp_path, "rcgrpo.train", "--model", "./model", "--out-dir", "runs", timeout=120)
+    proc = cli(tmp_path, "rcgrpo.train", "--model", "./model", "--out-dir", "runs")
     assert "model config model/config.json cannot be used: model/config.json is not UTF-8 text" \
         in one_error_line(proc, "rcgrpo.train")
     assert not (tmp_path / "runs").exists()
@@ -314,12 +335,12 @@ def test_resume_of_a_run_whose_saved_config_cannot_be_used(tmp_path, capsys, no_
     assert sorted(p.name for p in run.iterdir()) == ["config.json"]  # nothing written into the run
 
 
-def test_eval_of_a_run_whose_config_toml_is_nested_too_deeply(tmp_path):
+def test_eval_of_a_run_whose_config_toml_is_nested_too_deeply(tmp_path, cli, no_model_loads):
     """Before: internal error: RecursionError (exit 1)."""
     stage = tmp_path / "runs" / "r" / "models" / "rctp"
     stage.mkdir(parents=True)
     (tmp_path / "runs" / "r" / "config.toml").write_bytes(b"a = " + TOO_DEEP + b"\n")
-    proc = cli(tmp_path, "rcgrpo.eval", "--model", str(stage), timeout=120)
+    proc = cli(tmp_path, "rcgrpo.eval", "--model", str(stage))
     assert "runs/r/config.toml is not valid TOML: nested too deeply to read" in one_error_line(proc, "rcgrpo.eval")
 
 

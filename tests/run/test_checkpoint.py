@@ -333,6 +333,7 @@ sys.exit(run_command("rcgrpo.train", lambda argv: save_checkpoint(root, 2, model
 """
 
 
+@pytest.mark.slow  # a fresh interpreter under a file-size limit, per part (~6 s each)
 @pytest.mark.parametrize("part, reason", [("weights", "File too large"),
                                           ("optimizer", "a write failed (the disk full, or a file-size limit)")])
 def test_a_save_that_runs_out_of_space_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, part, reason):
@@ -372,6 +373,7 @@ sys.exit(run_command("rcgrpo.train", lambda argv: ctx._replace_model_dir("rctp",
 """
 
 
+@pytest.mark.slow  # a fresh interpreter under a file-size limit (~6 s)
 def test_a_stage_model_export_that_runs_out_of_space_is_one_line_and_keeps_the_previous_one(tmp_path):
     """The same for a stage's exported model (the safetensors writer under a
     real file-size limit). Before: internal error: SafetensorError, exit 1."""

@@ -305,6 +305,7 @@ def test_the_first_update_reads_the_reference_off_the_policys_own_pass(tmp_path,
     assert all(torch.equal(a, b) for a, b in zip(after[True], after[False]))
 
 
+@pytest.mark.slow  # RL updates on the module's sampled episodes (~2 s, and ~5 s to sample them)
 def test_mini_batches_take_one_step_each(tmp_path, tokenizer, tiny_folder, sampled):
     ctx = _ctx(tmp_path, tokenizer, tiny_folder)
     policy = _fresh(tiny_folder)
@@ -320,6 +321,7 @@ def _grads(policy):
     return torch.cat([p.grad.reshape(-1) for p in policy.trainable_parameters()])
 
 
+@pytest.mark.slow  # shared and whole-sequence updates on real episodes (~2.5 s each)
 @pytest.mark.parametrize("micro_batch_tokens", [4500, 16384])
 def test_shared_prefixes_give_the_update_of_whole_sequences(tmp_path, tokenizer, tiny_folder, sampled,
                                                             micro_batch_tokens):
@@ -388,6 +390,7 @@ def test_tis_in_the_trainer(tmp_path, tokenizer, tiny_folder, sampled):
         grad_of([dataclasses.replace(t, logprobs=None) for t in trajectories], 2.0)
 
 
+@pytest.mark.slow  # RL steps of the tiny model with the agreement check (~9 s)
 def test_every_rl_step_logs_the_agreement(tmp_path, tokenizer, tiny_folder, base_entries, capsys):
     cfg = parse_args(["--fused", "--out-dir", str(tmp_path), "--name", "agree", "--run.checkpoint_every", "0",
                       "--run.report_to", "none", "--grpo.steps", "2", "--grpo.batch_size", "1",

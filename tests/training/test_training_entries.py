@@ -12,6 +12,7 @@ def tokenizer():
     return load_tokenizer(resolve_model_folder(None))
 
 
+@pytest.mark.slow  # tokenises every base training entry's prompt (~4 s)
 def test_entry_ids_select_exactly_those_whatever_the_subset(tokenizer):
     ids = "multi_turn_base_104,multi_turn_base_100,multi_turn_base_132"
     cfg = parse_args(["--data.categories", "base", "--data.entry_ids", ids, "--data.train_subset", "1"])

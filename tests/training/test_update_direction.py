@@ -256,6 +256,7 @@ def test_after_an_update_a_zero_variance_step_keeps_its_kl_gradient(tmp_path, to
 # ------------------------------------------------------------------ the steer probe and dropout
 
 
+@pytest.mark.slow  # builds RCTP pairs and forwards each under both tags (~2 s)
 def test_the_steer_is_the_experts_token_log_prob_under_each_tag(tokenizer, tiny_folder, study_entries):
     """The probe (prefix sharing, packed) equals a plain forward of each
     pair's prefix under each tag; swapping the tags negates it."""
