@@ -13,7 +13,7 @@ import itertools
 from typing import Callable, Sequence
 
 from rcgrpo.model.packing import PackedBatch
-from rcgrpo.model.prefix_sharing import MIN_SHARED_TOKENS, common_prefix_length, with_prefix_layout
+from rcgrpo.model.prefix_sharing import MIN_SHARED_TOKENS, shared_rows, with_prefix_layout
 from rcgrpo_kernels.packing import loss_token_counts
 
 __all__ = ["balance_micro_batches", "micro_batch", "micro_batch_plan", "micro_batches", "shared_plan"]
@@ -91,9 +91,7 @@ class _ForwardCosts:
 
     def shared(self, a: int, b: int) -> int:
         """Rows sequence b can read from sequence a (none below ``MIN_SHARED_TOKENS``)."""
-        cu, ids, pos = self.cu, self.ids, self.pos
-        n = min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
-                common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
+        n = shared_rows(self.cu, self.ids, self.pos, a, b)
         return n if n >= MIN_SHARED_TOKENS else 0
 
     def coster(self, seqs: list[int]) -> tuple[list[int], Callable[[int, int], int]]:

@@ -44,7 +44,7 @@ import torch
 from rcgrpo.model.packing import PackedBatch
 
 __all__ = ["SharedPrefixLayout", "shared_prefix_layout", "prefix_layout", "with_prefix_layout", "common_prefix_length",
-           "forwarded_tokens"]
+           "shared_rows", "forwarded_tokens"]
 
 # Sharing fewer tokens than this is not worth a segment of its own (a row of
 # the visibility table, a pass of the mask build): such a sequence is
@@ -118,6 +118,14 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(differ[0, 0]) if differ.numel() else n
 
 
+def shared_rows(cu: list[int], ids: torch.Tensor, pos: torch.Tensor, a: int, b: int) -> int:
+    """The prefix packed sequences a and b share (`cu`: the batch's
+    cu_seqlens; `ids`, `pos`: its token and position ids): a shared row must
+    be the same token at the same position."""
+    return min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
+               common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
+
+
 _OWN = torch.iinfo(torch.int64).max  # a segment sees its own keys at every position (then causally)
 
 
@@ -150,11 +158,9 @@ def _longest_shared_prefix(s: int, cu: list[int], ids: torch.Tensor, pos: torch.
     shared with sequence s, and its length; (-1, 0) if none. Token ids and
     position ids both equal: a shared row must be the same token at the
     same position."""
-    lo, hi = cu[s], cu[s + 1]
     best, shared = -1, 0
     for r in range(candidates):
-        n = min(common_prefix_length(ids[lo:hi], ids[cu[r]:cu[r + 1]]),
-                common_prefix_length(pos[lo:hi], pos[cu[r]:cu[r + 1]]))
+        n = shared_rows(cu, ids, pos, s, r)
         if n > shared:
             best, shared = r, n
     return best, shared

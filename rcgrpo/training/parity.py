@@ -60,9 +60,9 @@ from rcgrpo.model.packing import PackedBatch, Trajectory, pack
 from rcgrpo.model.policy import PackedLM, TrainablePolicy
 from rcgrpo.model.prefix_sharing import (
     MIN_SHARED_TOKENS,
-    common_prefix_length,
     forwarded_tokens,
     prefix_layout,
+    shared_rows,
     with_prefix_layout,
 )
 from rcgrpo.run.metrics import log_line
@@ -142,8 +142,7 @@ def parity_sample(batch: PackedBatch) -> PackedBatch:
     for b, a in enumerate(layout.seq_root):
         if a == b:
             continue
-        shared = min(common_prefix_length(ids[cu[a]:cu[a + 1]], ids[cu[b]:cu[b + 1]]),
-                     common_prefix_length(pos[cu[a]:cu[a + 1]], pos[cu[b]:cu[b + 1]]))
+        shared = shared_rows(cu, ids, pos, a, b)
         if shared >= MIN_SHARED_TOKENS and cu[b] + shared < cu[b + 1]:
             start = shared - min(shared, PARITY_PREFIX)
             windows = [ids[cu[s] + start:min(cu[s] + shared + PARITY_TAIL, cu[s + 1])].tolist() for s in (a, b)]
